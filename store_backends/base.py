@@ -1,0 +1,134 @@
+"""The KVStore interface: opaque byte values under byte keys.
+
+This module owns the contract every backend implements and the types that
+cross the store boundary (``StoreStats`` and the error classes).  It knows
+nothing of vLLM, torch or of what the bytes mean.
+
+Rules every backend follows:
+
+* Keys are ``bytes``.  Nothing a key contains can name a file outside the
+  store's directory or a Redis key outside the store's namespace.
+* ``put`` is atomic per key and idempotent: a reader sees the whole value or
+  no value, never half of one.  A full store, a full disk or an unreachable
+  medium makes ``put`` return ``False`` for the keys it could not keep; it
+  never raises into the caller's hot path for those.
+* ``get_into`` copies a value straight into the caller's writable buffer.
+  The buffer's size must equal the value's size: a value of another size is
+  treated as a miss (so a truncated value is never returned as valid).
+* Reads that find nothing, or find something damaged, return a miss.
+* A store whose medium is gone raises ``StoreUnavailableError`` quickly
+  (bounded timeouts), and works again once the medium is back.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Sequence
+
+
+class StoreError(Exception):
+    """Base class of every error a store raises."""
+
+
+class StoreOpenError(StoreError, ValueError):
+    """A store URL is malformed, names an unknown scheme, or the medium it
+    names cannot be used (unwritable directory, wrong password...)."""
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The medium behind an open store stopped answering (server down,
+    timeout).  Raised fast; the store recovers by itself once the medium is
+    back."""
+
+
+@dataclasses.dataclass
+class StoreStats:
+    """What a store can tell about itself.  ``None`` means unknown."""
+
+    url: str
+    num_blocks: int | None = None
+    nbytes: int | None = None
+    capacity_nbytes: int | None = None
+    num_evictions: int = 0
+    num_puts: int = 0
+    num_gets: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_put_failures: int = 0
+    num_corrupt: int = 0
+    extra: dict[str, object] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+Buffer = bytearray | memoryview
+
+
+class KVStore(abc.ABC):
+    """A batched, thread-safe key/value store of opaque blocks."""
+
+    #: The URL the store was opened with, with any password masked.
+    url: str = ""
+
+    @abc.abstractmethod
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes | Buffer]) -> list[bool]:
+        """Store each value under its key.  ``True`` where the key is stored
+        afterwards (also when it was there already), ``False`` where the store
+        could not keep it (full, disk error, value larger than the store)."""
+
+    @abc.abstractmethod
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+        """Copy each key's value into the matching writable buffer.  ``True``
+        where the whole value was copied; ``False`` on a miss, a damaged
+        value, or a value whose size differs from the buffer's.  A buffer is
+        left in an unspecified state where the answer is ``False``."""
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each key's value, or ``None`` for a miss."""
+
+    @abc.abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored.  Does not count as a use for LRU."""
+
+    def prefix_len(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are all stored."""
+        n = 0
+        for present in self.contains(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove the keys; keys that are not stored are ignored."""
+
+    @abc.abstractmethod
+    def stats(self) -> StoreStats:
+        """Counts and sizes; cheap enough to call once a second."""
+
+    def close(self) -> None:
+        """Release connections, files and threads.  Idempotent."""
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def check_batch(keys: Sequence[bytes], others: Sequence[object] | None = None, what: str = "values") -> None:
+    """Reject bad batches with a message that says what is wrong."""
+    for key in keys:
+        if not isinstance(key, (bytes, bytearray)):
+            raise TypeError(f"store keys must be bytes, got {type(key).__name__}: {key!r}")
+        if not key:
+            raise ValueError("store keys must not be empty")
+    if others is not None and len(others) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(others)} {what}")
