@@ -9,9 +9,10 @@ Rules every backend follows:
 * Keys are ``bytes``.  Nothing a key contains can name a file outside the
   store's directory or a Redis key outside the store's namespace.
 * ``put`` is atomic per key and idempotent: a reader sees the whole value or
-  no value, never half of one.  A full store, a full disk or an unreachable
-  medium makes ``put`` return ``False`` for the keys it could not keep; it
-  never raises into the caller's hot path for those.
+  no value, never half of one.  A full store or a full disk makes ``put``
+  return ``False`` for the keys it could not keep (or evict to make room); it
+  never raises for those.  Only a medium that is gone raises, and then with
+  the one typed error below.
 * ``get_into`` copies a value straight into the caller's writable buffer.
   The buffer's size must equal the value's size: a value of another size is
   treated as a miss (so a truncated value is never returned as valid).
