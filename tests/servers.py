@@ -95,33 +95,47 @@ class RedisServer:
 class RedisCluster:
     """A Redis Cluster of ``num_masters`` masters (no replicas) on loopback."""
 
-    def __init__(self, num_masters: int = 3) -> None:
+    def __init__(self, num_masters: int = 3, *, password: str | None = None) -> None:
+        self.password = password
+        auth = ["--masterauth", password] if password else []
         self.servers = [
-            RedisServer(extra=["--cluster-enabled", "yes",
+            RedisServer(password=password,
+                        extra=["--cluster-enabled", "yes",
                                "--cluster-config-file", "nodes.conf",
-                               "--cluster-node-timeout", "2000"])
+                               "--cluster-node-timeout", "2000", *auth])
             for _ in range(num_masters)
         ]
 
     @property
     def url(self) -> str:
-        return "redis-cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        auth = f":{self.password}@" if self.password else ""
+        return "redis-cluster://" + auth + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def _cli(self, *args: str) -> list[str]:
+        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        return [REDIS_CLI, *auth, *args]
 
     def start(self) -> "RedisCluster":
         for server in self.servers:
             server.start()
         nodes = [f"127.0.0.1:{s.port}" for s in self.servers]
-        subprocess.run([REDIS_CLI, "--cluster", "create", *nodes, "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       timeout=60)
+        subprocess.run(self._cli("--cluster", "create", *nodes, "--cluster-replicas", "0",
+                                 "--cluster-yes"), check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, timeout=60)
+        # Every node, not just one: a node that has not yet seen the others'
+        # slots answers CLUSTERDOWN for a moment after the create.
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            out = subprocess.run([REDIS_CLI, "-p", str(self.servers[0].port), "cluster", "info"],
+        pending = list(self.servers)
+        while pending and time.monotonic() < deadline:
+            out = subprocess.run(self._cli("-p", str(pending[0].port), "cluster", "info"),
                                  capture_output=True, text=True, timeout=10).stdout
             if "cluster_state:ok" in out:
-                return self
-            time.sleep(0.1)
-        raise RuntimeError("redis cluster did not reach cluster_state:ok")
+                pending.pop(0)
+            else:
+                time.sleep(0.1)
+        if pending:
+            raise RuntimeError("redis cluster did not reach cluster_state:ok")
+        return self
 
     def cleanup(self) -> None:
         for server in self.servers:
