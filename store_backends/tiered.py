@@ -1,0 +1,301 @@
+"""A tier of stores, fastest first.
+
+Reads go down the tiers until every key is found and promote what a lower
+tier had into the tiers above it.  Writes go to the first tier in the
+caller's thread and on to the lower tiers in a background thread
+(``write_mode="async"``, the default), or to every tier before ``put``
+returns (``write_mode="sync"``).  A tier that is down only makes the tier hit
+less: its errors are counted, logged once, and the other tiers carry on.
+
+Background writes are bounded (``max_pending_nbytes``); when the backlog is
+full a write to a lower tier is dropped and counted, never waited for, so a
+slow lower tier cannot stall the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Sequence
+
+from .base import Buffer, KVStore, StoreError, StoreStats, StoreUnavailableError, check_batch
+
+logger = logging.getLogger(__name__)
+
+WRITE_MODES = ("async", "sync")
+
+
+class TieredStore(KVStore):
+    def __init__(self, stores: Sequence[KVStore], *, write_mode: str = "async",
+                 promote: bool = True, max_pending_nbytes: int = 256 << 20) -> None:
+        if not stores:
+            raise ValueError("a tier needs at least one store")
+        if write_mode not in WRITE_MODES:
+            raise ValueError(f"write_mode={write_mode!r}: expected one of {', '.join(WRITE_MODES)}")
+        self.stores = list(stores)
+        self.write_mode = write_mode
+        self.promote = promote
+        self.max_pending_nbytes = max_pending_nbytes
+        self.url = "[" + ", ".join(s.url for s in self.stores) + "]"
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        # (tier index, keys, values) batches waiting for the writer thread.
+        self._pending: collections.deque[tuple[int, list[bytes], list[bytes]]] = collections.deque()
+        self._pending_nbytes = 0
+        self._in_flight = 0
+        self._closed = False
+        self._writer: threading.Thread | None = None
+        self._errors = [0] * len(self.stores)
+        self._logged = [False] * len(self.stores)
+        self._hits = [0] * len(self.stores)
+        self._num_misses = 0
+        self._num_dropped = 0
+        self._num_promoted = 0
+
+    # -- errors --------------------------------------------------------------
+
+    def _tier_failed(self, tier: int, exc: BaseException) -> None:
+        with self._lock:
+            self._errors[tier] += 1
+            first = not self._logged[tier]
+            self._logged[tier] = True
+        if first:
+            logger.warning("tier %d (%s) failed: %s; the other tiers carry on "
+                           "(further errors of this tier are counted, not logged)",
+                           tier, self.stores[tier].url, exc)
+
+    # -- background writes ---------------------------------------------------
+
+    def _enqueue(self, tier: int, keys: list[bytes], values: list[bytes]) -> None:
+        nbytes = sum(len(v) for v in values)
+        with self._cond:
+            if self._closed:
+                return
+            if self._pending_nbytes + nbytes > self.max_pending_nbytes and self._pending:
+                self._num_dropped += len(keys)
+                return
+            self._pending.append((tier, keys, values))
+            self._pending_nbytes += nbytes
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="ucm-tier-writer", daemon=True)
+                self._writer.start()
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                tier, keys, values = self._pending.popleft()
+                self._pending_nbytes -= sum(len(v) for v in values)
+                self._in_flight += 1
+            try:
+                self._put_tier(tier, keys, values)
+            finally:
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every background write has been done; ``False`` on
+        timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._in_flight, timeout)
+
+    @staticmethod
+    def _owned(values: Sequence[bytes | Buffer]) -> list[bytes]:
+        # The caller may reuse its buffers once put() returns.
+        return [v if isinstance(v, bytes) else bytes(v) for v in values]
+
+    def _put_tier(self, tier: int, keys: list[bytes], values: Sequence[bytes | Buffer]) -> list[bool]:
+        try:
+            return self.stores[tier].put(keys, values)
+        except StoreError as exc:
+            self._tier_failed(tier, exc)
+            return [False] * len(keys)
+
+    # -- KVStore -------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes | Buffer]) -> list[bool]:
+        check_batch(keys, values)
+        keys = list(keys)
+        if not keys:
+            return []
+        stored = [False] * len(keys)
+        failures = 0
+        owned: list[bytes] | None = None
+        for tier in range(len(self.stores)):
+            if tier > 0 and self.write_mode == "async" and any(stored):
+                owned = owned if owned is not None else self._owned(values)
+                self._enqueue(tier, keys, owned)
+                continue
+            try:
+                ok = self.stores[tier].put(keys, values)
+            except StoreError as exc:
+                self._tier_failed(tier, exc)
+                failures += 1
+                continue
+            stored = [a or b for a, b in zip(stored, ok)]
+        if failures == len(self.stores):
+            raise StoreUnavailableError(f"store {self.url}: every tier failed")
+        return stored
+
+    def _read(self, keys: list[bytes], read_tier) -> list[bool]:
+        """Fall through the tiers; ``read_tier(tier, positions) -> found``
+        fills the results of the given positions."""
+        found = [False] * len(keys)
+        todo = list(range(len(keys)))
+        failures = 0
+        for tier in range(len(self.stores)):
+            if not todo:
+                break
+            try:
+                hit = read_tier(tier, todo)
+            except StoreError as exc:
+                self._tier_failed(tier, exc)
+                failures += 1
+                continue
+            got = [i for i, h in zip(todo, hit) if h]
+            for i in got:
+                found[i] = True
+            with self._lock:
+                self._hits[tier] += len(got)
+            todo = [i for i, h in zip(todo, hit) if not h]
+        if failures == len(self.stores):
+            raise StoreUnavailableError(f"store {self.url}: every tier failed")
+        with self._lock:
+            self._num_misses += len(todo)
+        return found
+
+    def _promote(self, tier: int, keys: list[bytes], values: list[bytes]) -> None:
+        if not self.promote or tier == 0 or not keys:
+            return
+        with self._lock:
+            self._num_promoted += len(keys)
+        for upper in range(tier):
+            self._enqueue(upper, keys, values)
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+        check_batch(keys, buffers, "buffers")
+        keys = list(keys)
+
+        def read_tier(tier: int, positions: list[int]) -> list[bool]:
+            hit = self.stores[tier].get_into([keys[i] for i in positions], [buffers[i] for i in positions])
+            got = [i for i, h in zip(positions, hit) if h]
+            self._promote(tier, [keys[i] for i in got], [bytes(buffers[i]) for i in got])
+            return hit
+
+        return self._read(keys, read_tier)
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        check_batch(keys)
+        keys = list(keys)
+        values: list[bytes | None] = [None] * len(keys)
+
+        def read_tier(tier: int, positions: list[int]) -> list[bool]:
+            got = self.stores[tier].get([keys[i] for i in positions])
+            hits = [i for i, v in zip(positions, got) if v is not None]
+            for i, v in zip(positions, got):
+                values[i] = v
+            self._promote(tier, [keys[i] for i in hits], [values[i] for i in hits])  # type: ignore[misc]
+            return [v is not None for v in got]
+
+        self._read(keys, read_tier)
+        return values
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        check_batch(keys)
+        keys = list(keys)
+        present = [False] * len(keys)
+        todo = list(range(len(keys)))
+        failures = 0
+        for tier, store in enumerate(self.stores):
+            if not todo:
+                break
+            try:
+                hit = store.contains([keys[i] for i in todo])
+            except StoreError as exc:
+                self._tier_failed(tier, exc)
+                failures += 1
+                continue
+            for i, h in zip(todo, hit):
+                present[i] = present[i] or h
+            todo = [i for i, h in zip(todo, hit) if not h]
+        if failures == len(self.stores) and keys:
+            raise StoreUnavailableError(f"store {self.url}: every tier failed")
+        return present
+
+    def prefix_len(self, keys: Sequence[bytes]) -> int:
+        check_batch(keys)
+        keys = list(keys)
+        # A leading run may be spread over the tiers: advance as far as any
+        # tier reaches, then ask again from there.
+        pos = 0
+        while pos < len(keys):
+            advance = 0
+            failures = 0
+            for tier, store in enumerate(self.stores):
+                try:
+                    advance = max(advance, store.prefix_len(keys[pos:]))
+                except StoreError as exc:
+                    self._tier_failed(tier, exc)
+                    failures += 1
+            if failures == len(self.stores):
+                raise StoreUnavailableError(f"store {self.url}: every tier failed")
+            if advance == 0:
+                break
+            pos += advance
+        return pos
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        check_batch(keys)
+        self.flush()
+        failures = 0
+        for tier, store in enumerate(self.stores):
+            try:
+                store.delete(keys)
+            except StoreError as exc:
+                self._tier_failed(tier, exc)
+                failures += 1
+        if failures == len(self.stores) and keys:
+            raise StoreUnavailableError(f"store {self.url}: every tier failed")
+
+    def stats(self) -> StoreStats:
+        tiers = []
+        for tier, store in enumerate(self.stores):
+            try:
+                tiers.append(store.stats().to_dict())
+            except StoreError as exc:
+                self._tier_failed(tier, exc)
+                tiers.append({"url": store.url, "error": str(exc)})
+        with self._lock:
+            return StoreStats(
+                url=self.url,
+                num_hits=sum(self._hits),
+                num_misses=self._num_misses,
+                extra={
+                    "tiers": tiers,
+                    "hits_per_tier": list(self._hits),
+                    "errors_per_tier": list(self._errors),
+                    "num_promoted": self._num_promoted,
+                    "num_dropped_writes": self._num_dropped,
+                    "pending_write_nbytes": self._pending_nbytes,
+                    "write_mode": self.write_mode,
+                },
+            )
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+        self.flush(timeout=30)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=30)
+        for store in self.stores:
+            store.close()

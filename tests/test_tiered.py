@@ -1,0 +1,126 @@
+"""Tiers of stores: fall-through reads, promotion, background writes, and a
+tier that goes down."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from servers import RedisServer
+from store_backends import StoreUnavailableError, open_store
+from store_backends.tiered import TieredStore
+
+
+def test_reads_fall_through_and_promote_hits_upward(tmp_path):
+    top, bottom = f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"
+    open_store(bottom).put([b"deep"], [b"from-the-bottom"])
+    tier = open_store([top, bottom])
+    try:
+        assert open_store(top).contains([b"deep"]) == [False]
+        assert tier.get([b"deep", b"nowhere"]) == [b"from-the-bottom", None]
+        assert tier.flush(timeout=30)
+        assert open_store(top).get([b"deep"]) == [b"from-the-bottom"]
+        extra = tier.stats().extra
+        assert extra["hits_per_tier"] == [0, 1]
+        assert extra["num_promoted"] == 1
+    finally:
+        tier.close()
+
+
+def test_get_into_promotes_too(tmp_path):
+    top, bottom = f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"
+    open_store(bottom).put([b"k"], [b"12345678"])
+    tier = open_store([top, bottom])
+    try:
+        buf = bytearray(8)
+        assert tier.get_into([b"k"], [buf]) == [True] and buf == b"12345678"
+        tier.flush(timeout=30)
+        assert open_store(top).get([b"k"]) == [b"12345678"]
+    finally:
+        tier.close()
+
+
+def test_writes_reach_every_tier_in_the_background(tmp_path):
+    top, bottom = f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"
+    tier = open_store([top, bottom])
+    try:
+        source = bytearray(b"x" * 1000)
+        assert tier.put([b"a"], [source]) == [True]
+        source[:] = b"y" * 1000  # the caller's buffer is reused at once
+        assert open_store(top).get([b"a"]) == [b"x" * 1000]
+        assert tier.flush(timeout=30)
+        assert open_store(bottom).get([b"a"]) == [b"x" * 1000]
+    finally:
+        tier.close()
+
+
+def test_sync_mode_writes_every_tier_before_put_returns(tmp_path):
+    top, bottom = f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"
+    tier = open_store([top, bottom], write_mode="sync")
+    try:
+        tier.put([b"a"], [b"v"])
+        assert open_store(bottom).get([b"a"]) == [b"v"]
+    finally:
+        tier.close()
+
+
+def test_prefix_len_spans_tiers(tmp_path):
+    top, bottom = f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"
+    open_store(top).put([b"k0", b"k2"], [b"0", b"2"])
+    open_store(bottom).put([b"k1", b"k3"], [b"1", b"3"])
+    tier = open_store([top, bottom])
+    try:
+        assert tier.prefix_len([b"k0", b"k1", b"k2", b"k3", b"k4"]) == 4
+        assert tier.contains([b"k3", b"k4"]) == [True, False]
+    finally:
+        tier.close()
+
+
+def test_a_full_backlog_drops_lower_tier_writes_instead_of_waiting(tmp_path):
+    stores = [open_store(f"disk://{tmp_path}/top"), open_store(f"disk://{tmp_path}/bottom")]
+    tier = TieredStore(stores, max_pending_nbytes=1)
+    try:
+        for i in range(50):
+            assert tier.put([b"k%d" % i], [b"v" * 100]) == [True]
+        assert tier.flush(timeout=30)
+        dropped = tier.stats().extra["num_dropped_writes"]
+        in_bottom = sum(stores[1].contains([b"k%d" % i for i in range(50)]))
+        assert dropped + in_bottom == 50
+        assert open_store(f"disk://{tmp_path}/top").prefix_len([b"k%d" % i for i in range(50)]) == 50
+    finally:
+        tier.close()
+
+
+def test_a_lower_tier_that_goes_down_only_makes_the_tier_hit_less(tmp_path):
+    server = RedisServer().start()
+    try:
+        tier = open_store([f"disk://{tmp_path}/top", server.url + "?timeout=1"])
+        try:
+            tier.put([b"a"], [b"va"])
+            assert tier.flush(timeout=30)
+            server.stop()
+            t0 = time.monotonic()
+            assert tier.get([b"a", b"b"]) == [b"va", None]
+            assert tier.put([b"c"], [b"vc"]) == [True]
+            assert tier.prefix_len([b"a", b"c", b"b"]) == 2
+            tier.flush(timeout=30)
+            assert time.monotonic() - t0 < 15
+            assert tier.stats().extra["errors_per_tier"][1] >= 1
+        finally:
+            tier.close()
+    finally:
+        server.cleanup()
+
+
+def test_every_tier_down_is_a_typed_error(tmp_path):
+    server = RedisServer().start()
+    try:
+        tier = open_store([server.url + "?timeout=1"])
+        tier2 = TieredStore([tier])
+        server.stop()
+        with pytest.raises(StoreUnavailableError):
+            tier2.get([b"a"])
+        tier2.close()
+    finally:
+        server.cleanup()
