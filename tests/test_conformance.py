@@ -1,0 +1,226 @@
+"""The KVStore contract, run against every backend: disk, Redis, Redis
+Cluster, shared memory, a tier (shm over disk), and a third-party store found
+through the ``ucm_connector.stores`` entry-point group.
+
+Each test is one behaviour of ``store_backends.base.KVStore``; a backend that
+breaks it fails here under its own name.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from store_backends import StoreStats, open_store
+from store_backends.tiered import TieredStore
+
+BACKENDS = ["disk", "redis", "redis-cluster", "shm", "tier", "entry-point"]
+
+
+def _shm_url(name: str) -> str:
+    return f"shm://{name}?capacity=64MiB"
+
+
+def _stop_shm(url: str) -> None:
+    from store_backends.shm import ShmStore
+
+    ShmStore.shutdown_server(url)
+
+
+@pytest.fixture(params=BACKENDS)
+def store_url(request, tmp_path):
+    """A fresh, empty store URL of each kind; cleaned up afterwards."""
+    name = "c" + uuid.uuid4().hex[:12]
+    kind = request.param
+    cleanup = []
+    if kind == "disk":
+        url = f"disk://{tmp_path}/store?capacity=256MiB"
+    elif kind == "redis":
+        url = request.getfixturevalue("redis_server").url + f"?namespace={name}"
+    elif kind == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster").url + f"?namespace={name}"
+    elif kind == "entry-point":
+        request.getfixturevalue("thirdparty_entry_point")
+        url = f"memdict://{name}"
+    elif kind == "shm":
+        url = _shm_url(name)
+        cleanup.append(lambda: _stop_shm(url))
+    else:
+        shm = _shm_url(name)
+        url = [shm, f"disk://{tmp_path}/tier?capacity=256MiB"]
+        cleanup.append(lambda: _stop_shm(shm))
+    yield url
+    for fn in cleanup:
+        fn()
+
+
+@pytest.fixture
+def store(store_url):
+    s = open_store(store_url)
+    yield s
+    s.close()
+
+
+def block(i: int, nbytes: int = 4096) -> bytes:
+    """A distinct, reproducible value per index."""
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def settle(store) -> None:
+    if isinstance(store, TieredStore):
+        assert store.flush(timeout=30)
+
+
+def test_put_then_get_returns_the_same_bytes(store):
+    keys = [b"k%d" % i for i in range(10)]
+    values = [block(i) for i in range(10)]
+    assert store.put(keys, values) == [True] * 10
+    assert store.get(keys) == values
+
+
+def test_get_into_fills_the_callers_buffer(store):
+    keys = [b"a", b"b"]
+    values = [block(1, 65536), block(2, 65536)]
+    store.put(keys, values)
+    buffers = [bytearray(65536), memoryview(np.zeros(65536, dtype=np.uint8)).cast("B")]
+    assert store.get_into(keys, buffers) == [True, True]
+    assert bytes(buffers[0]) == values[0]
+    assert bytes(buffers[1]) == values[1]
+
+
+def test_missing_keys_are_misses(store):
+    store.put([b"present"], [block(0)])
+    assert store.get([b"absent", b"present"]) == [None, block(0)]
+    assert store.get_into([b"absent"], [bytearray(4096)]) == [False]
+    assert store.contains([b"absent", b"present"]) == [False, True]
+
+
+def test_get_into_a_buffer_of_another_size_is_a_miss(store):
+    store.put([b"k"], [block(0, 4096)])
+    assert store.get_into([b"k"], [bytearray(4095)]) == [False]
+    assert store.get_into([b"k"], [bytearray(4097)]) == [False]
+    assert store.get_into([b"k"], [bytearray(4096)]) == [True]
+
+
+def test_put_is_idempotent(store):
+    assert store.put([b"k"], [block(7)]) == [True]
+    assert store.put([b"k"], [block(7)]) == [True]
+    assert store.get([b"k"]) == [block(7)]
+
+
+def test_prefix_len_counts_only_the_leading_run(store):
+    keys = [b"p%d" % i for i in range(8)]
+    store.put(keys[:3] + keys[4:], [block(i, 512) for i in range(7)])
+    settle(store)
+    assert store.prefix_len(keys) == 3
+    assert store.prefix_len(keys[4:]) == 4
+    assert store.prefix_len([b"nothing"] + keys) == 0
+    assert store.contains(keys) == [True, True, True, False, True, True, True, True]
+
+
+def test_empty_batches(store):
+    assert store.put([], []) == []
+    assert store.get([]) == []
+    assert store.get_into([], []) == []
+    assert store.contains([]) == []
+    assert store.prefix_len([]) == 0
+    store.delete([])
+
+
+def test_delete_removes_only_the_named_keys(store):
+    store.put([b"x", b"y"], [block(1), block(2)])
+    settle(store)
+    store.delete([b"x", b"never-stored"])
+    assert store.get([b"x", b"y"]) == [None, block(2)]
+    assert store.contains([b"x"]) == [False]
+
+
+def test_keys_must_be_bytes(store):
+    with pytest.raises(TypeError, match="bytes"):
+        store.put(["text-key"], [b"v"])
+    with pytest.raises(ValueError, match="empty"):
+        store.contains([b""])
+    with pytest.raises(ValueError, match="2 keys but 1"):
+        store.put([b"a", b"b"], [b"v"])
+
+
+def test_hostile_keys_are_distinct_and_round_trip(store):
+    keys = [b"../../etc/passwd", b"/", b"\x00", b"\x00\x00", b"a/b", b"A/B", b"..", b".",
+            b"*", b"{slot}", b"\xff" * 600, b"\n", b" "]
+    values = [block(i, 256) for i in range(len(keys))]
+    assert store.put(keys, values) == [True] * len(keys)
+    assert store.get(keys) == values
+
+
+def test_put_accepts_any_buffer_and_keeps_a_copy(store):
+    source = np.arange(8192, dtype=np.uint8)
+    original = source.tobytes()
+    ok = store.put([b"np", b"ba", b"mv"], [memoryview(source), bytearray(original), memoryview(original)])
+    assert ok == [True, True, True]
+    source[:] = 0  # the caller reuses its buffer
+    settle(store)
+    assert store.get([b"np", b"ba", b"mv"]) == [original] * 3
+
+
+def test_large_values_round_trip(store):
+    value = block(3, 4 << 20)
+    assert store.put([b"big"], [value]) == [True]
+    buf = bytearray(len(value))
+    assert store.get_into([b"big"], [buf]) == [True]
+    assert buf == value
+
+
+def test_a_second_handle_sees_what_the_first_stored(store, store_url):
+    store.put([b"shared"], [block(5)])
+    settle(store)
+    other = open_store(store_url)
+    try:
+        assert other.get([b"shared"]) == [block(5)]
+        assert other.prefix_len([b"shared"]) == 1
+    finally:
+        other.close()
+
+
+def test_concurrent_threads_read_their_own_writes(store):
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        keys = [b"t%d-%d" % (t, i) for i in range(20)]
+        values = [block(t * 100 + i, 2048) for i in range(20)]
+        for _ in range(3):
+            if store.put(keys, values) != [True] * 20:
+                errors.append(f"thread {t}: put failed")
+            got = store.get(keys)
+            if got != values:
+                errors.append(f"thread {t}: wrong values")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+
+
+def test_stats_report_the_url_and_count_hits(store):
+    store.put([b"s1", b"s2"], [block(1), block(2)])
+    settle(store)
+    store.get([b"s1", b"s2", b"s3"])
+    stats = store.stats()
+    assert isinstance(stats, StoreStats)
+    assert stats.url == store.url
+    assert stats.num_hits >= 2
+    assert stats.num_misses >= 1
+    if stats.num_blocks is not None:
+        assert stats.num_blocks >= 2
+
+
+def test_close_is_idempotent(store_url):
+    s = open_store(store_url)
+    s.put([b"c"], [b"value"])
+    s.close()
+    s.close()
