@@ -1,0 +1,645 @@
+"""``shm://NAME``: a store in shared memory for all processes of a host.
+
+The values live in a data segment under /dev/shm that every client maps; a
+small index server (``shm_server``, one per NAME, started on demand and
+detached so it outlives the process that started it) owns the LRU index and
+hands out chunks of the segment.  This module is the client: it packs
+requests, copies values between the caller's buffers and the segment (once,
+with no intermediate buffer), and checks the chunk generations after each
+read so that a value overwritten or evicted during the copy is a miss, never
+a wrong value.  See ``shm_server`` for the protocol and the file layout.
+
+URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
+
+* ``capacity`` (default 1GiB), ``chunk`` (default 64KiB): the size of the data
+  segment and of its allocation unit.  They apply when this client starts the
+  server; a running server keeps its own (``stats()`` reports them).
+* ``server``: ``embedded`` (default) starts a server when none is running,
+  also again after the server died (its data is then gone: misses);
+  ``connect`` only uses a running one.
+* ``idle_timeout``: the server exits after that long without requests
+  (default: never, so a restarted engine still finds its blocks).
+* ``lease_timeout`` (default 10m): when chunks taken by a live writer that
+  never committed them are reclaimed.  Those of a dead writer are reclaimed
+  within a second.
+* ``timeout`` (default 5s): the longest an operation waits for the server.
+  A server that died is noticed within about 50 ms.
+* ``overwrite`` (default false): a put of a key that is already stored keeps
+  the stored value (keys are content addresses, so it is the same value) and
+  skips the copy; ``true`` replaces it.
+* ``prefault`` (default true): reserve the memory when the server starts and
+  map it up front in each client, so that no copy pays page faults and no
+  client can hit SIGBUS on a full /dev/shm.
+* ``runtime_dir``: where the control socket and lock files go.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from typing import Sequence
+
+import numpy as np
+import zmq
+
+from . import shm_server as proto
+from .base import Buffer, KVStore, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
+from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options
+
+_OPTIONS = {"capacity", "chunk", "server", "idle_timeout", "lease_timeout", "timeout", "overwrite",
+            "prefault", "runtime_dir"}
+_POLL_SLICE_MS = 50
+_START_TIMEOUT_S = 60.0
+_HELLO_TIMEOUT_S = 2.0
+
+
+class _NoAnswer(Exception):
+    pass
+
+
+class _Segments:
+    """The mapped segments of one server epoch.  Immutable: an operation
+    keeps using the snapshot it started with, also if another thread remaps."""
+
+    __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "_maps")
+
+    def __init__(self, info: dict, populate: bool) -> None:
+        self.epoch = int(info["epoch"])
+        self.server_pid = int(info["pid"])
+        self.chunk = int(info["chunk_nbytes"])
+        self.num_chunks = int(info["num_chunks"])
+        data_nbytes = self.chunk * self.num_chunks
+        flags = mmap.MAP_SHARED
+        if populate:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        fd = os.open(info["data_path"], os.O_RDWR)
+        try:
+            data_mm = mmap.mmap(fd, data_nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        fd = os.open(info["gen_path"], os.O_RDONLY)
+        try:
+            gen_mm = mmap.mmap(fd, self.num_chunks * 8, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._maps = (data_mm, gen_mm)
+        self.data = memoryview(data_mm)
+        self.gen = np.frombuffer(gen_mm, dtype=np.uint64)
+
+    def release(self) -> None:
+        self.data.release()
+        self.gen = None
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the GC unmaps it later
+
+
+class _ThreadSocket(threading.local):
+    sock = None
+    gen = -1
+    pid = -1
+
+
+def _byte_view(buf: object, writable: bool) -> memoryview:
+    view = memoryview(buf)
+    if writable and view.readonly:
+        raise TypeError(f"get_into needs writable buffers, got a read-only {type(buf).__name__}")
+    if view.format != "B" or view.ndim != 1:
+        if not view.c_contiguous:
+            raise ValueError(f"store buffers must be C-contiguous, got {type(buf).__name__}")
+        view = view.cast("B")
+    return view
+
+
+class ShmStore(KVStore):
+    """Client of one ``shm://NAME`` store.  Thread-safe: each thread talks to
+    the server over its own socket; copies run in parallel."""
+
+    def __init__(self, name: str, *, capacity_nbytes: int = 1 << 30,
+                 chunk_nbytes: int = proto.DEFAULT_CHUNK_NBYTES, server: str = "embedded",
+                 idle_timeout_s: float | None = None, lease_timeout_s: float = proto.DEFAULT_LEASE_TIMEOUT_S,
+                 timeout_s: float = 5.0, overwrite: bool = False, prefault: bool = True,
+                 runtime_dir: str | None = None, url: str | None = None) -> None:
+        self.url = mask_password(url) if url else f"shm://{name}"
+        if not isinstance(name, str) or not proto.valid_name(name):
+            raise StoreOpenError(
+                f"store '{self.url}': the name {name!r} may hold only letters, digits, '-', '_' and '.' "
+                f"(at most 80 characters)")
+        if server not in ("embedded", "connect"):
+            raise StoreOpenError(f"store '{self.url}': server={server!r} must be 'embedded' or 'connect'")
+        if chunk_nbytes <= 0 or chunk_nbytes % 64:
+            raise StoreOpenError(f"store '{self.url}': chunk={chunk_nbytes} must be a positive multiple of 64 bytes")
+        if capacity_nbytes < chunk_nbytes:
+            raise StoreOpenError(
+                f"store '{self.url}': capacity={capacity_nbytes} is smaller than one chunk ({chunk_nbytes} bytes)")
+        if timeout_s <= 0:
+            raise StoreOpenError(f"store '{self.url}': timeout must be positive")
+        self.name = name
+        self.capacity_nbytes = capacity_nbytes
+        self.chunk_nbytes = chunk_nbytes
+        self.mode = server
+        self.idle_timeout_s = idle_timeout_s
+        self.lease_timeout_s = lease_timeout_s
+        self.timeout_s = timeout_s
+        self.overwrite = overwrite
+        self.prefault = prefault
+        self.paths = proto.Paths(name, os.path.abspath(runtime_dir) if runtime_dir else None)
+        if len(self.paths.socket.encode()) > 100:
+            raise StoreOpenError(
+                f"store '{self.url}': the control socket path {self.paths.socket!r} is too long for a "
+                f"unix socket; use a shorter name or runtime_dir")
+        self._lock = threading.RLock()
+        self._tls = _ThreadSocket()
+        self._sockets: set = set()
+        self._sock_gen = 0
+        self._rids = itertools.count(1)
+        self._pid = os.getpid()
+        self._ctx = zmq.Context()
+        self._seg: _Segments | None = None
+        self._old_segs: list[_Segments] = []
+        self._late_misses = 0
+        self._torn_reads = 0
+        self._closed = False
+        try:
+            self._connect(opening=True)
+        except StoreOpenError:
+            self.close()
+            raise
+        except (StoreUnavailableError, OSError) as exc:
+            self.close()
+            raise StoreOpenError(f"store '{self.url}': {exc}") from exc
+
+    @classmethod
+    def from_url(cls, url: str) -> "ShmStore":
+        masked = mask_password(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError as exc:
+            raise StoreOpenError(f"store '{masked}' is malformed: {exc}") from exc
+        if parts.scheme.lower() != "shm":
+            raise StoreOpenError(f"store '{masked}' is not an shm:// URL")
+        name = parts.netloc
+        if parts.path not in ("", "/") or not name:
+            raise StoreOpenError(f"store '{masked}': write it as shm://NAME?capacity=4GiB (NAME: letters, "
+                                 f"digits, '-', '_', '.')")
+        opts = query_options(url, _OPTIONS)
+        kwargs: dict[str, object] = {}
+        if "capacity" in opts:
+            kwargs["capacity_nbytes"] = parse_size(opts["capacity"], url=url, name="capacity")
+        if "chunk" in opts:
+            kwargs["chunk_nbytes"] = parse_size(opts["chunk"], url=url, name="chunk")
+        if "server" in opts:
+            kwargs["server"] = opts["server"].strip().lower()
+        if "idle_timeout" in opts:
+            kwargs["idle_timeout_s"] = parse_seconds(opts["idle_timeout"], url=url, name="idle_timeout")
+        if "lease_timeout" in opts:
+            kwargs["lease_timeout_s"] = parse_seconds(opts["lease_timeout"], url=url, name="lease_timeout")
+        if "timeout" in opts:
+            kwargs["timeout_s"] = parse_seconds(opts["timeout"], url=url, name="timeout")
+        if "overwrite" in opts:
+            kwargs["overwrite"] = parse_bool(opts["overwrite"], url=url, name="overwrite")
+        if "prefault" in opts:
+            kwargs["prefault"] = parse_bool(opts["prefault"], url=url, name="prefault")
+        if "runtime_dir" in opts:
+            kwargs["runtime_dir"] = opts["runtime_dir"]
+        return cls(name, url=url, **kwargs)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------ transport
+
+    def _socket(self):
+        if self._closed:
+            raise StoreUnavailableError(f"store '{self.url}' is closed")
+        if os.getpid() != self._pid:
+            self._after_fork()
+        tls = self._tls
+        sock = tls.sock
+        if sock is None or tls.gen != self._sock_gen:
+            with self._lock:
+                if sock is not None and tls.pid == os.getpid():
+                    self._sockets.discard(sock)
+                    sock.close(0)
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RECONNECT_IVL, 10)
+                sock.connect(self.paths.endpoint)
+                self._sockets.add(sock)
+                tls.sock = sock
+                tls.gen = self._sock_gen
+                tls.pid = os.getpid()
+        return sock
+
+    def _after_fork(self) -> None:
+        # zmq contexts and sockets must not be used across fork; the mapped
+        # segments are inherited and stay valid.
+        with self._lock:
+            if os.getpid() == self._pid:
+                return
+            self._pid = os.getpid()
+            self._ctx = zmq.Context()
+            self._sockets = set()
+            self._sock_gen += 1
+
+    def _call(self, op: int, frames: Sequence[bytes] = (), *, key_len: int = 0, flags: int = 0,
+              arg: int = 0, epoch: int = 0, timeout_s: float | None = None) -> tuple[int, int, list[bytes]]:
+        sock = self._socket()
+        rid = next(self._rids) & 0xFFFFFFFF
+        # copy=False: frames above zmq's copy threshold (a large key batch)
+        # go out without an extra copy; small ones are copied anyway.
+        sock.send_multipart([proto.REQUEST.pack(op, flags, key_len, rid, epoch, arg), *frames], copy=False)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            if sock.poll(_POLL_SLICE_MS):
+                reply = sock.recv_multipart()
+                status, reply_rid, reply_epoch = proto.REPLY.unpack(reply[0])
+                if reply_rid != rid:
+                    continue  # the late answer to a request that timed out
+                if status == proto.ST_ERROR:
+                    raise StoreError(f"store '{self.url}': the shm server rejected a request: "
+                                     f"{reply[1].decode(errors='replace') if len(reply) > 1 else '?'}")
+                return status, reply_epoch, reply[1:]
+            if not proto.server_running(self.paths):
+                self._invalidate_sockets()
+                raise _NoAnswer("the shm server is not running")
+            if time.monotonic() > deadline:
+                self._invalidate_sockets()
+                raise _NoAnswer(f"the shm server did not answer within {timeout_s or self.timeout_s:g}s")
+
+    def _invalidate_sockets(self) -> None:
+        # A socket with a request in flight would hand its late answer to the
+        # next request; start every thread on a fresh socket instead.
+        with self._lock:
+            self._sock_gen += 1
+            self._seg_broken = True
+
+    def _unavailable(self, exc: Exception) -> StoreUnavailableError:
+        hint = ("; the next call starts a new server (its contents are lost)" if self.mode == "embedded"
+                else f"; start one with `python -m store_backends.shm_server serve {self.name}`")
+        return StoreUnavailableError(f"store '{self.url}' unavailable: {exc}{hint}")
+
+    # ------------------------------------------------------------ connecting
+
+    _seg_broken = False
+
+    def _hello(self) -> dict | None:
+        if not proto.server_running(self.paths):
+            return None
+        try:
+            status, _epoch, frames = self._call(proto.OP_HELLO, timeout_s=min(self.timeout_s, _HELLO_TIMEOUT_S))
+        except _NoAnswer:
+            return None
+        info = json.loads(frames[0])
+        if info.get("protocol") != proto.PROTOCOL_VERSION:
+            raise StoreOpenError(f"store '{self.url}': the running shm server speaks protocol "
+                                 f"{info.get('protocol')}, this client {proto.PROTOCOL_VERSION}; stop it first")
+        return info
+
+    def _connect(self, opening: bool = False) -> _Segments:
+        with self._lock:
+            if self._seg is not None and not self._seg_broken:
+                return self._seg
+            self._sock_gen += 1
+            info = self._hello()
+            if info is None:
+                if self.mode == "connect":
+                    msg = (f"no shm server is running for {self.name!r} (server=connect); start one with "
+                           f"`python -m store_backends.shm_server serve {self.name}` or use server=embedded")
+                    if opening:
+                        raise StoreOpenError(f"store '{self.url}': {msg}")
+                    raise StoreUnavailableError(f"store '{self.url}' unavailable: {msg}")
+                self._start_server()
+                self._sock_gen += 1
+                info = self._hello()
+                if info is None:
+                    raise StoreUnavailableError(
+                        f"store '{self.url}' unavailable: the shm server started but does not answer; "
+                        f"see {self.paths.log}")
+            seg = self._seg
+            if seg is None or seg.epoch != int(info["epoch"]):
+                try:
+                    new = _Segments(info, populate=self.prefault)
+                except FileNotFoundError as exc:
+                    raise StoreUnavailableError(
+                        f"store '{self.url}' unavailable: the server's segment vanished ({exc})") from exc
+                if seg is not None:
+                    # Other threads may still be copying from it; the GC
+                    # unmaps it once they are done.
+                    self._old_segs = [s for s in self._old_segs[-3:]] + [seg]
+                self._seg = new
+            self._seg_broken = False
+            return self._seg
+
+    def _start_server(self) -> None:
+        import fcntl
+
+        self.paths.ensure_rundir()
+        fd = os.open(self.paths.start_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            # Reserving the memory takes about a second per GiB on a slow host.
+            start_timeout_s = _START_TIMEOUT_S + 5.0 * self.capacity_nbytes / (1 << 30)
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreUnavailableError(
+                            f"store '{self.url}' unavailable: another process has been starting the shm "
+                            f"server for over {start_timeout_s:g}s ({self.paths.start_lock})")
+                    time.sleep(0.01)
+            if proto.server_running(self.paths):
+                return  # started by whoever held the lock before us
+            cmd = [sys.executable, "-m", "store_backends.shm_server", "serve", self.name,
+                   "--capacity", str(self.capacity_nbytes), "--chunk", str(self.chunk_nbytes),
+                   "--lease-timeout", repr(float(self.lease_timeout_s)),
+                   "--runtime-dir", self.paths.rundir, "--detach"]
+            if self.idle_timeout_s is not None:
+                cmd += ["--idle-timeout", repr(float(self.idle_timeout_s))]
+            if not self.prefault:
+                cmd.append("--no-prefault")
+            env = dict(os.environ)
+            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+            try:
+                done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, start_new_session=True, env=env, cwd="/",
+                                      timeout=start_timeout_s)
+            except subprocess.TimeoutExpired as exc:
+                raise StoreUnavailableError(f"store '{self.url}' unavailable: the shm server did not get "
+                                            f"ready within {start_timeout_s:.0f}s") from exc
+            if done.returncode not in (0, proto.EXIT_ALREADY_RUNNING):
+                detail = done.stderr.decode(errors="replace").strip() or f"exit status {done.returncode}"
+                raise StoreOpenError(f"store '{self.url}': could not start the shm server: {detail}")
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _segments(self) -> _Segments:
+        seg = self._seg
+        if seg is None or self._seg_broken or self._closed:
+            if self._closed:
+                raise StoreUnavailableError(f"store '{self.url}' is closed")
+            seg = self._connect()
+        return seg
+
+    def _request(self, op: int, frames: Sequence[bytes] = (), *, key_len: int = 0, flags: int = 0,
+                 arg: int = 0, bound: bool = True) -> tuple[_Segments, int, list[bytes]]:
+        """One request; for ops that name chunks (``bound``), the request
+        carries the epoch of our mapping and is retried once after a remap
+        when the server is a newer one."""
+        for _attempt in range(3):
+            seg = self._segments()
+            try:
+                status, epoch, out = self._call(op, frames, key_len=key_len, flags=flags, arg=arg,
+                                                epoch=seg.epoch if bound else 0)
+            except _NoAnswer as exc:
+                raise self._unavailable(exc) from None
+            if status == proto.ST_STALE or (bound and epoch != seg.epoch):
+                with self._lock:
+                    self._seg_broken = True
+                continue
+            return seg, status, out
+        raise StoreUnavailableError(f"store '{self.url}' unavailable: the shm server keeps restarting")
+
+    # ------------------------------------------------------------ KVStore
+
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes | Buffer]) -> list[bool]:
+        if len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if not keys:
+            return []
+        srcs = [_byte_view(v, writable=False) for v in values]
+        key_len, key_frames = proto.pack_keys(keys)
+        sizes = array.array("q", [s.nbytes for s in srcs])
+        flags = proto.FLAG_OVERWRITE if self.overwrite else 0
+        try:
+            seg, _status, out = self._request(proto.OP_ALLOC, [*key_frames, sizes.tobytes()], key_len=key_len,
+                                              flags=flags, arg=os.getpid())
+        except StoreUnavailableError:
+            # put never raises into the hot path for a medium that is gone;
+            # the next call reconnects (or restarts the server).
+            return [False] * len(keys)
+        lease_id = int.from_bytes(out[0], "little", signed=True)
+        status = out[1]
+        nruns = array.array("I", out[2])
+        runs = array.array("i", out[3])
+        data = seg.data
+        chunk = seg.chunk
+        result = [s == proto.ALLOC_PRESENT for s in status]
+        if not lease_id:
+            return result
+        pos = 0
+        try:
+            for i, st in enumerate(status):
+                if st != proto.ALLOC_NEW:
+                    continue
+                src = srcs[i]
+                size = sizes[i]
+                end = pos + 2 * nruns[i]
+                if nruns[i] == 1:
+                    off = runs[pos] * chunk
+                    data[off:off + size] = src
+                else:
+                    done = 0
+                    for j in range(pos, end, 2):
+                        n = min(runs[j + 1] * chunk, size - done)
+                        off = runs[j] * chunk
+                        data[off:off + n] = src[done:done + n]
+                        done += n
+                pos = end
+        except BaseException:
+            try:
+                self._call(proto.OP_ABORT, arg=lease_id, epoch=seg.epoch)
+            except (_NoAnswer, StoreError):
+                pass  # the sweep reclaims the lease once this process is gone
+            raise
+        try:
+            _seg, commit_status, _ = self._request(proto.OP_COMMIT, arg=lease_id)
+        except StoreUnavailableError:
+            return [r for r in result]
+        if commit_status == proto.ST_OK:
+            return [st != proto.ALLOC_FAILED for st in status]
+        return result
+
+    def _lookup(self, keys: Sequence[bytes]):
+        key_len, key_frames = proto.pack_keys(keys)
+        with self._lock:
+            late, self._late_misses = self._late_misses, 0
+        seg, _status, out = self._request(proto.OP_GET, key_frames, key_len=key_len, arg=late)
+        sizes = array.array("q", out[0])
+        gens = np.frombuffer(out[1], dtype=np.uint64)
+        firsts = np.frombuffer(out[2], dtype=np.int32)
+        nruns = array.array("I", out[3])
+        runs = array.array("i", out[4])
+        return seg, sizes, gens, firsts, nruns, runs
+
+    @staticmethod
+    def _unchanged(seg: _Segments, gens: np.ndarray, firsts: np.ndarray) -> list[bool]:
+        # A value's chunks are freed together, and freeing bumps every
+        # chunk's generation, so the first chunk's generation tells whether
+        # any chunk of the value was reused since the lookup.
+        current = seg.gen[np.maximum(firsts, 0)]
+        return ((current == gens) | (firsts < 0)).tolist()
+
+    def _count_misses(self, late: int, torn: int) -> None:
+        if late or torn:
+            with self._lock:
+                self._late_misses += late
+                self._torn_reads += torn
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+        if len(buffers) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        dsts = [_byte_view(b, writable=True) for b in buffers]
+        seg, sizes, gens, firsts, nruns, runs = self._lookup(keys)
+        data = seg.data
+        chunk = seg.chunk
+        copied = [False] * len(keys)
+        late = 0
+        pos = 0
+        for i, size in enumerate(sizes):
+            if size < 0:
+                continue
+            end = pos + 2 * nruns[i]
+            dst = dsts[i]
+            if dst.nbytes != size:
+                late += 1
+                pos = end
+                continue
+            if nruns[i] == 1:
+                off = runs[pos] * chunk
+                dst[:] = data[off:off + size]
+            else:
+                done = 0
+                for j in range(pos, end, 2):
+                    n = min(runs[j + 1] * chunk, size - done)
+                    off = runs[j] * chunk
+                    dst[done:done + n] = data[off:off + n]
+                    done += n
+            copied[i] = True
+            pos = end
+        result = [c and u for c, u in zip(copied, self._unchanged(seg, gens, firsts))]
+        torn = copied.count(True) - result.count(True)
+        self._count_misses(late + torn, torn)
+        return result
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        seg, sizes, gens, firsts, nruns, runs = self._lookup(keys)
+        data = seg.data
+        chunk = seg.chunk
+        values: list[bytes | None] = [None] * len(keys)
+        pos = 0
+        for i, size in enumerate(sizes):
+            if size < 0:
+                continue
+            end = pos + 2 * nruns[i]
+            if nruns[i] == 1:
+                off = runs[pos] * chunk
+                values[i] = bytes(data[off:off + size])
+            elif nruns[i] == 0:
+                values[i] = b""
+            else:
+                parts = []
+                done = 0
+                for j in range(pos, end, 2):
+                    n = min(runs[j + 1] * chunk, size - done)
+                    off = runs[j] * chunk
+                    parts.append(data[off:off + n])
+                    done += n
+                values[i] = b"".join(parts)
+            pos = end
+        torn = 0
+        for i, unchanged in enumerate(self._unchanged(seg, gens, firsts)):
+            if not unchanged and values[i] is not None:
+                values[i] = None
+                torn += 1
+        self._count_misses(torn, torn)
+        return values
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        key_len, key_frames = proto.pack_keys(keys)
+        _seg, _status, out = self._request(proto.OP_CONTAINS, key_frames, key_len=key_len, bound=False)
+        return np.frombuffer(out[0], dtype=np.bool_).tolist()
+
+    def prefix_len(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        key_len, key_frames = proto.pack_keys(keys)
+        _seg, _status, out = self._request(proto.OP_PREFIX, key_frames, key_len=key_len, bound=False)
+        return int.from_bytes(out[0], "little", signed=True)
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        key_len, key_frames = proto.pack_keys(keys)
+        self._request(proto.OP_DELETE, key_frames, key_len=key_len, bound=False)
+
+    def clear(self) -> None:
+        """Remove every block (for operators and tests)."""
+        self._request(proto.OP_CLEAR, bound=False)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            late, self._late_misses = self._late_misses, 0
+            torn = self._torn_reads
+        _seg, _status, out = self._request(proto.OP_STATS, arg=late, bound=False)
+        info = json.loads(out[0])
+        extra = {k: info[k] for k in ("epoch", "pid", "chunk_nbytes", "num_chunks", "free_chunks",
+                                      "leased_chunks", "used_chunks", "num_leases", "uptime_s",
+                                      "leases_reclaimed", "idle_timeout_s", "lease_timeout_s") if k in info}
+        extra["server_pid"] = extra.pop("pid", None)
+        extra["torn_reads"] = torn
+        extra["data_path"] = info.get("data_path")
+        return StoreStats(
+            url=self.url,
+            num_blocks=info["num_blocks"],
+            nbytes=info["nbytes"],
+            capacity_nbytes=info["capacity_nbytes"],
+            num_evictions=info.get("evictions", 0),
+            num_puts=info.get("puts", 0),
+            num_gets=info.get("gets", 0),
+            num_hits=info.get("hits", 0),
+            num_misses=info.get("misses", 0),
+            num_put_failures=info.get("put_failures", 0),
+            extra=extra,
+        )
+
+    def shutdown_server(self, timeout_s: float = 10.0) -> bool:
+        """Stop the server of this NAME (its blocks are gone) and close this
+        client.  True if a server was running."""
+        try:
+            stopped = proto.stop_server(self.name, self.paths.rundir, timeout_s=timeout_s)
+        finally:
+            self.close()
+        return stopped
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sockets, self._sockets = self._sockets, set()
+            segs = [s for s in (self._seg, *self._old_segs) if s is not None]
+            self._seg = None
+            self._old_segs = []
+        if os.getpid() == self._pid:
+            for sock in sockets:
+                sock.close(0)
+            self._ctx.destroy(linger=0)
+        for seg in segs:
+            seg.release()

@@ -1,0 +1,499 @@
+"""shm:// specific behaviour and faults, with real shared memory, real
+server processes and real client processes.
+
+Every test gets its own store NAME and runtime directory; the fixture stops
+the server and checks that no /dev/shm file of that NAME is left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from store_backends import StoreOpenError, StoreUnavailableError, open_store
+from store_backends import shm_server
+from store_backends.shm import ShmStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def value_for(key: bytes, size: int, version: int = 0) -> bytes:
+    """A value that can be checked from itself: 8 bytes of version, then a
+    pattern derived from (key, version).  A torn read mixing two versions or
+    two keys does not match."""
+    seed = hashlib.blake2b(key + version.to_bytes(8, "little"), digest_size=32).digest()
+    body = (seed * (size // 32 + 1))[: size - 8]
+    return version.to_bytes(8, "little") + body
+
+
+def check_value(key: bytes, value: bytes) -> bool:
+    version = int.from_bytes(value[:8], "little")
+    return value == value_for(key, len(value), version)
+
+
+def server_processes(name: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"store_backends.shm_server" in argv and name.encode() in argv:
+            pids.append(int(entry))
+    return pids
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Env:
+    def __init__(self) -> None:
+        self.name = "t" + uuid.uuid4().hex[:12]
+        # Short on purpose: a unix socket path must stay under ~100 bytes.
+        self.rundir = tempfile.mkdtemp(prefix="ucmshm-", dir="/tmp")
+
+    def url(self, **options: object) -> str:
+        options.setdefault("runtime_dir", self.rundir)
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"shm://{self.name}?{query}"
+
+    def leftovers(self) -> list[str]:
+        return [n for n in os.listdir(shm_server.SEGMENT_DIR) if f".{self.name}." in n]
+
+    def python(self, code: str, *args: str, wait: bool = True, timeout: float = 60):
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        cmd = [sys.executable, "-c", textwrap.dedent(code), *args]
+        if not wait:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+
+@pytest.fixture
+def shm():
+    env = Env()
+    try:
+        yield env
+    finally:
+        shm_server.stop_server(env.name, env.rundir)
+        stray = server_processes(env.name)
+        for pid in stray:
+            os.kill(pid, signal.SIGKILL)
+        leftovers = env.leftovers()
+        for name in leftovers:
+            os.unlink(os.path.join(shm_server.SEGMENT_DIR, name))
+        shutil.rmtree(env.rundir, ignore_errors=True)
+        assert not stray, f"servers still running after stop: {stray}"
+        assert not leftovers, f"/dev/shm files left behind: {leftovers}"
+
+
+# ---------------------------------------------------------------- capacity and LRU
+
+def test_eviction_drops_least_recently_used_and_keeps_recently_read(shm):
+    with open_store(shm.url(capacity="32KiB", chunk="4KiB")) as store:
+        keys = [b"k%d" % i for i in range(8)]
+        assert store.put(keys, [value_for(k, 4096) for k in keys]) == [True] * 8
+        assert store.get([b"k0"]) == [value_for(b"k0", 4096)]  # k0 becomes the newest
+        assert store.put([b"k8"], [value_for(b"k8", 4096)]) == [True]
+        assert store.contains([b"k0", b"k1", b"k2", b"k8"]) == [True, False, True, True]
+        stats = store.stats()
+        assert stats.num_evictions == 1
+        assert stats.num_blocks == 8
+
+
+def test_contains_does_not_count_as_use(shm):
+    with open_store(shm.url(capacity="16KiB", chunk="4KiB")) as store:
+        keys = [b"a", b"b", b"c", b"d"]
+        store.put(keys, [value_for(k, 4096) for k in keys])
+        assert store.contains([b"a"]) == [True]
+        store.put([b"e"], [value_for(b"e", 4096)])
+        assert store.contains(keys + [b"e"]) == [False, True, True, True, True]
+
+
+def test_capacity_is_never_exceeded(shm):
+    rng = random.Random(7)
+    capacity = 256 * 1024
+    with open_store(shm.url(capacity=capacity, chunk="4KiB")) as store:
+        written = {}
+        for i in range(300):
+            key = b"key-%d" % i
+            written[key] = value_for(key, rng.randrange(1, 40_000))
+            assert store.put([key], [written[key]]) == [True]
+            stats = store.stats()
+            assert stats.nbytes <= capacity
+            assert stats.extra["used_chunks"] <= stats.extra["num_chunks"]
+        assert os.path.getsize(stats.extra["data_path"]) == capacity
+        values = store.get(list(written))
+        assert any(v is None for v in values) and any(v is not None for v in values)
+        assert all(v == written[k] for k, v in zip(written, values) if v is not None)
+        assert stats.nbytes == sum(len(v) for v in values if v is not None)
+
+
+def test_batch_larger_than_capacity_fails_only_what_does_not_fit(shm):
+    with open_store(shm.url(capacity="64KiB", chunk="4KiB")) as store:
+        keys = [b"k%02d" % i for i in range(20)]
+        ok = store.put(keys, [value_for(k, 8192) for k in keys])
+        assert ok == [True] * 8 + [False] * 12
+        assert store.get(keys[:8]) == [value_for(k, 8192) for k in keys[:8]]
+        assert store.stats().num_put_failures == 12
+
+
+def test_get_into_copies_into_caller_buffer_and_rejects_wrong_size(shm):
+    import numpy as np
+
+    with open_store(shm.url(capacity="1MiB", chunk="4KiB")) as store:
+        value = value_for(b"x", 10_000)
+        store.put([b"x"], [value])
+        exact = np.zeros(10_000, np.uint8)
+        small, large = bytearray(9_999), bytearray(10_001)
+        assert store.get_into([b"x", b"x", b"x", b"missing"], [exact, small, large, bytearray(1)]) == [
+            True, False, False, False]
+        assert exact.tobytes() == value
+
+
+def test_put_of_stored_key_keeps_value_unless_overwrite(shm):
+    with open_store(shm.url(capacity="1MiB")) as store:
+        store.put([b"k"], [b"first"])
+        assert store.put([b"k"], [b"second"]) == [True]
+        assert store.get([b"k"]) == [b"first"]
+    with open_store(shm.url(overwrite="true")) as store:
+        assert store.put([b"k"], [b"third"]) == [True]
+        assert store.get([b"k"]) == [b"third"]
+        assert store.stats().nbytes == len(b"third")
+
+
+# ---------------------------------------------------------------- processes
+
+def test_blocks_are_shared_across_processes_and_outlive_their_writer(shm):
+    url = shm.url(capacity="4MiB")
+    shm.python("""
+        import sys
+        from store_backends import open_store
+        sys.path.insert(0, sys.argv[2])
+        from test_shm import value_for
+        store = open_store(sys.argv[1])
+        keys = [b"blk%d" % i for i in range(10)]
+        assert store.put(keys, [value_for(k, 100_000) for k in keys]) == [True] * 10
+        store.close()
+    """, url, os.path.dirname(__file__))
+    (server_pid,) = server_processes(shm.name)
+    with open_store(shm.url(server="connect")) as store:
+        keys = [b"blk%d" % i for i in range(10)]
+        assert store.get(keys) == [value_for(k, 100_000) for k in keys]
+        assert store.stats().extra["server_pid"] == server_pid
+
+
+def test_processes_racing_to_open_a_new_name_start_one_server(shm):
+    start_at = time.time() + 1.5
+    code = """
+        import sys, time
+        from store_backends import open_store
+        time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+        store = open_store(sys.argv[1])
+        store.put([b"from-%s" % sys.argv[3].encode()], [b"v"])
+        print(store.stats().extra["server_pid"])
+        store.close()
+    """
+    procs = [shm.python(code, shm.url(capacity="1MiB"), str(start_at), str(i), wait=False) for i in range(5)]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        outputs.append(int(out.strip()))
+    assert len(set(outputs)) == 1
+    assert server_processes(shm.name) == [outputs[0]]
+    with open_store(shm.url()) as store:
+        assert store.contains([b"from-%d" % i for i in range(5)]) == [True] * 5
+
+
+WRITER_LOOP = """
+    import sys, os
+    from store_backends import open_store
+    sys.path.insert(0, sys.argv[2])
+    from test_shm import value_for
+    store = open_store(sys.argv[1])
+    print("ready", flush=True)
+    i = 0
+    while True:
+        keys = [b"w%d" % (i + j) for j in range(4)]
+        store.put(keys, [value_for(k, 512 * 1024) for k in keys])
+        i += 4
+"""
+
+
+def test_writer_killed_mid_put_leaves_whole_values_and_frees_its_chunks(shm):
+    url = shm.url(capacity="8MiB", chunk="64KiB")
+    store = open_store(url)
+    try:
+        for round_ in range(3):
+            writer = shm.python(WRITER_LOOP, url, os.path.dirname(__file__), wait=False)
+            assert writer.stdout.readline().strip() == "ready"
+            time.sleep(random.uniform(0.05, 0.4))
+            writer.kill()
+            writer.wait()
+            keys = [b"w%d" % i for i in range(4000)]
+            for key, value in zip(keys, store.get(keys)):
+                assert value is None or value == value_for(key, 512 * 1024), key
+            wait_for(lambda: store.stats().extra["leased_chunks"] == 0, 5, "the dead writer's lease to be reclaimed")
+        # The whole capacity is usable again.
+        keys = [b"fill%d" % i for i in range(16)]
+        assert store.put(keys, [value_for(k, 512 * 1024) for k in keys]) == [True] * 16
+        assert store.get(keys) == [value_for(k, 512 * 1024) for k in keys]
+    finally:
+        store.close()
+
+
+def test_lease_of_a_killed_writer_is_reclaimed(shm):
+    url = shm.url(capacity="1MiB", chunk="64KiB")
+    # A writer that took chunks and dies before it commits them.
+    writer = shm.python("""
+        import sys, array, time
+        from store_backends import open_store, shm_server as proto
+        store = open_store(sys.argv[1])
+        key_len, frames = proto.pack_keys([b"a", b"b"])
+        sizes = array.array("q", [300_000, 300_000]).tobytes()
+        store._request(proto.OP_ALLOC, [*frames, sizes], key_len=key_len, arg=store._pid)
+        print("allocated", flush=True)
+        time.sleep(600)
+    """, url, wait=False)
+    assert writer.stdout.readline().strip() == "allocated"
+    with open_store(url) as store:
+        assert store.stats().extra["leased_chunks"] == 10
+        assert store.put([b"c"], [value_for(b"c", 600_000)]) == [False]  # leased chunks are not evictable
+        writer.kill()
+        writer.wait()
+        wait_for(lambda: store.stats().extra["leased_chunks"] == 0, 5, "the lease to be reclaimed")
+        assert store.contains([b"a", b"b"]) == [False, False]
+        assert store.put([b"c"], [value_for(b"c", 1 << 20)]) == [True]
+        assert store.stats().extra["leases_reclaimed"] == 1
+
+
+def test_reader_never_gets_a_wrong_value_while_values_are_overwritten_and_evicted(shm):
+    import numpy as np
+
+    size = 96 * 1024
+    url = shm.url(capacity="1MiB", chunk="16KiB", overwrite="true")
+    writer = shm.python("""
+        import sys, time
+        from store_backends import open_store
+        sys.path.insert(0, sys.argv[2])
+        from test_shm import value_for
+        store = open_store(sys.argv[1])
+        print("ready", flush=True)
+        version = 1
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            keys = [b"r%d" % ((version + j) % 24) for j in range(3)]
+            store.put(keys, [value_for(k, int(sys.argv[3]), version) for k in keys])
+            version += 1
+    """, url, os.path.dirname(__file__), str(size), wait=False)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        keys = [b"r%d" % i for i in range(24)]
+        buffers = [np.empty(size, np.uint8) for _ in keys]
+        hits = 0
+        with open_store(url) as store:
+            end = time.monotonic() + 4
+            while time.monotonic() < end:
+                for key, value in zip(keys, store.get(keys)):
+                    if value is not None:
+                        hits += 1
+                        assert check_value(key, value), key
+                for key, buf, ok in zip(keys, buffers, store.get_into(keys, buffers)):
+                    if ok:
+                        hits += 1
+                        assert check_value(key, buf.tobytes()), key
+            stats = store.stats()
+        assert hits > 100
+        assert stats.num_evictions > 0
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+# ---------------------------------------------------------------- server faults
+
+def test_killed_server_raises_fast_and_embedded_client_restarts_it(shm):
+    with open_store(shm.url(capacity="1MiB", timeout="10")) as store:
+        store.put([b"k"], [value_for(b"k", 5000)])
+        old = store.stats().extra
+        os.kill(old["server_pid"], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match=shm.name):
+            store.get([b"k"])
+        assert time.monotonic() - started < 2.0
+        # The next call starts a new server: the old contents are gone.
+        assert store.get([b"k"]) == [None]
+        new = store.stats().extra
+        assert new["server_pid"] != old["server_pid"] and new["epoch"] != old["epoch"]
+        assert store.put([b"k2"], [value_for(b"k2", 70_000)]) == [True]
+        assert store.get([b"k2", b"k"]) == [value_for(b"k2", 70_000), None]
+        # The dead server's segments were removed by its successor.
+        assert sorted(shm.leftovers()) == sorted(os.path.basename(shm_server.Paths(shm.name).segment(
+            new["epoch"], kind)) for kind in ("data", "gen"))
+
+
+def test_client_of_a_restarted_server_remaps_and_never_reads_old_chunks(shm):
+    url = shm.url(capacity="1MiB", chunk="4KiB")
+    with open_store(url) as reader:
+        reader.put([b"k"], [value_for(b"k", 4096, 1)])
+        shm_server.stop_server(shm.name, shm.rundir)
+        # Another process starts a new server and stores a different value.
+        shm.python("""
+            import sys
+            from store_backends import open_store
+            store = open_store(sys.argv[1])
+            assert store.put([b"k"], [b"n" * 4096]) == [True]
+        """, url)
+        for _ in range(2):
+            try:
+                got = reader.get([b"k"])
+                break
+            except StoreUnavailableError:
+                continue
+        assert got == [b"n" * 4096]
+
+
+def test_server_killed_mid_put_makes_put_return_false(shm):
+    with open_store(shm.url(capacity="1MiB")) as store:
+        pid = store.stats().extra["server_pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not shm_server.server_running(shm_server.Paths(shm.name, shm.rundir)), 5, "server exit")
+        assert store.put([b"k"], [b"v"]) == [False]
+        assert store.put([b"k"], [b"v"]) == [True]
+
+
+def test_connect_mode_does_not_restart_a_dead_server(shm):
+    with open_store(shm.url(capacity="1MiB")) as owner:
+        with open_store(shm.url(server="connect")) as store:
+            assert owner.shutdown_server()
+            with pytest.raises(StoreUnavailableError, match="server=connect"):
+                store.contains([b"k"])
+            assert server_processes(shm.name) == []
+
+
+def test_close_is_idempotent_and_leaves_the_server_running(shm):
+    store = open_store(shm.url(capacity="1MiB"))
+    store.put([b"k"], [b"v"])
+    store.close()
+    store.close()
+    with open_store(shm.url(server="connect")) as again:
+        assert again.get([b"k"]) == [b"v"]
+
+
+def test_idle_timeout_stops_the_server_and_removes_its_files(shm):
+    store = open_store(shm.url(capacity="1MiB", idle_timeout="1"))
+    store.close()
+    wait_for(lambda: not server_processes(shm.name), 10, "the idle server to exit")
+    assert shm.leftovers() == []
+
+
+def test_operator_commands_status_and_stop(shm):
+    with open_store(shm.url(capacity="1MiB")) as store:
+        store.put([b"k"], [b"v" * 10])
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "store_backends.shm_server"]
+    status = subprocess.run(cmd + ["status", shm.name, "--runtime-dir", shm.rundir],
+                            capture_output=True, text=True, env=env, timeout=30)
+    assert status.returncode == 0 and '"num_blocks": 1' in status.stdout
+    stop = subprocess.run(cmd + ["stop", shm.name, "--runtime-dir", shm.rundir],
+                          capture_output=True, text=True, env=env, timeout=30)
+    assert stop.returncode == 0
+    assert server_processes(shm.name) == [] and shm.leftovers() == []
+    status = subprocess.run(cmd + ["status", shm.name, "--runtime-dir", shm.rundir],
+                            capture_output=True, text=True, env=env, timeout=30)
+    assert status.returncode == 1
+
+
+# ---------------------------------------------------------------- bad URLs
+
+@pytest.mark.parametrize("url", ["shm://bad%2Fname", "shm://a b", "shm://", "shm://x/y", "shm://.."])
+def test_bad_name_is_an_open_error_naming_the_url(url):
+    with pytest.raises(StoreOpenError) as err:
+        open_store(url)
+    assert url in str(err.value)
+
+
+def test_unknown_option_is_an_open_error_naming_it(shm):
+    with pytest.raises(StoreOpenError, match="colour"):
+        open_store(shm.url(colour="blue"))
+
+
+def test_connect_mode_without_a_server_is_an_open_error_naming_the_url(shm):
+    url = shm.url(server="connect")
+    with pytest.raises(StoreOpenError) as err:
+        open_store(url)
+    assert url in str(err.value) and "no shm server is running" in str(err.value)
+    assert server_processes(shm.name) == []
+
+
+def test_shm_store_class_opens_by_url(shm):
+    store = ShmStore.from_url(shm.url(capacity="1MiB"))
+    try:
+        assert store.stats().capacity_nbytes == 1 << 20
+    finally:
+        assert store.shutdown_server()
+
+
+# ---------------------------------------------------------------- client details
+
+def test_keys_of_mixed_lengths_and_empty_values_round_trip(shm):
+    import numpy as np
+
+    with open_store(shm.url(capacity="1MiB", chunk="4KiB")) as store:
+        keys = [b"a", b"bb" * 40, b"\x00\x00", b"\x00", b"ccc"]
+        values = [b"", value_for(b"bb", 9000), np.arange(100, dtype=np.uint16), memoryview(b"zz"), b"\x00" * 4096]
+        assert store.put(keys, values) == [True] * 5
+        assert store.get(keys) == [b"", value_for(b"bb", 9000), np.arange(100, dtype=np.uint16).tobytes(),
+                                   b"zz", b"\x00" * 4096]
+        assert store.contains([b"\x00", b"\x00\x00", b"\x00\x00\x00"]) == [True, True, False]
+        assert store.prefix_len(keys + [b"nope"] + keys) == 5
+
+
+def test_threads_share_one_client(shm):
+    import threading
+
+    errors = []
+    with open_store(shm.url(capacity="4MiB", chunk="4KiB")) as store:
+        def work(t: int) -> None:
+            try:
+                for i in range(40):
+                    keys = [b"t%d-%d-%d" % (t, i, j) for j in range(4)]
+                    values = [value_for(k, 6000 + 100 * t) for k in keys]
+                    assert store.put(keys, values) == [True] * 4
+                    got = store.get(keys)
+                    assert all(g is None or g == v for g, v in zip(got, values))
+                    assert store.prefix_len(keys) <= 4
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        assert store.stats().num_put_failures == 0
