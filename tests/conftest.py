@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -11,6 +14,26 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from servers import RedisCluster, RedisServer  # noqa: E402
+
+# Shared-memory store servers of this test run keep their sockets and lock
+# files in a directory of their own (inherited by child processes), which the
+# session's end empties after stopping any server a failed test left behind.
+_SHM_RUNTIME_DIR = tempfile.mkdtemp(prefix="ucm-shm-test-")
+os.environ["UCM_SHM_RUNTIME_DIR"] = _SHM_RUNTIME_DIR
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_leftover_shm_servers():
+    yield
+    from store_backends.shm_server import stop_server
+
+    for pid_file in glob.glob(os.path.join(_SHM_RUNTIME_DIR, "*.pid")):
+        name = os.path.basename(pid_file)[: -len(".pid")]
+        try:
+            stop_server(name, _SHM_RUNTIME_DIR)
+        except Exception as exc:
+            print(f"could not stop the shm server {name!r}: {exc}", file=sys.stderr)
+    shutil.rmtree(_SHM_RUNTIME_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,9 @@ def _shm_url(name: str) -> str:
 
 
 def _stop_shm(url: str) -> None:
-    from store_backends.shm import ShmStore
+    from store_backends.shm_server import stop_server
 
-    ShmStore.shutdown_server(url)
+    stop_server(url.partition("://")[2].partition("?")[0])
 
 
 @pytest.fixture(params=BACKENDS)
