@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -57,7 +58,7 @@ percentiles of put, get (get_into preallocated buffers), contains and
 prefix_len, and -- in the same run, with the same block size, block count,
 batch size and threads -- the raw medium the store sits on:
 
-  shm://                      memcpy (numpy copyto between preallocated buffers)
+  shm://                      memcpy between the buffers and a /dev/shm region
   disk:///DIR                 plain open/write/close and open/readinto/close,
                               one file per block, in a temporary subdirectory of DIR
   redis://, rediss://, unix://  plain redis-py pipelined SET and MGET on the same
@@ -357,17 +358,44 @@ class RawMedium:
         """Remove everything written; idempotent."""
 
 
+def _shared_region(shape: tuple[int, ...]) -> tuple[mmap.mmap | None, np.ndarray]:
+    """A mapped /dev/shm file of ``shape`` bytes (unlinked at once, so
+    nothing is left behind), or private memory where there is no /dev/shm."""
+    nbytes = int(np.prod(shape))
+    if not os.path.isdir("/dev/shm"):
+        return None, aligned_empty(*shape)
+    fd, path = tempfile.mkstemp(prefix="ucm-bench-raw-", dir="/dev/shm")
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, nbytes)
+        region = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return region, np.frombuffer(region, dtype=np.uint8).reshape(shape)
+
+
 class MemcpyRaw(RawMedium):
     name = "memcpy"
-    description = "memcpy: numpy copyto between preallocated buffers"
+    description = "memcpy: numpy copyto between the buffers and a region of shared memory (/dev/shm)"
     has_lookup = False
 
     def __init__(self, values: np.ndarray, dest: np.ndarray) -> None:
         self.values = values
         self.dest = dest
-        # The region a put copies into, like a shared-memory arena; touched by
-        # the warm-up round so page faults are not timed.
-        self.region = aligned_empty(*values.shape)
+        # The region a put copies into is shared memory, the medium an shm
+        # store sits on (its pages behave unlike private anonymous memory,
+        # which may be backed by huge pages); touched by the warm-up round so
+        # page faults are not timed.
+        self._map, self.region = _shared_region(values.shape)
+
+    def close(self) -> None:
+        self.region = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with it
+            self._map = None
 
     def put(self, lo: int, hi: int) -> None:
         for i in range(lo, hi):
