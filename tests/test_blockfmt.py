@@ -1,0 +1,206 @@
+"""The stored block envelope: round trips, and every kind of damage caught with its reason."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from ucm_connector import blockfmt
+from ucm_connector.blockfmt import (
+    FORMAT_VERSION,
+    HEADER_NBYTES,
+    BlockFormatError,
+    block_nbytes,
+    encode_block,
+    encode_header,
+    pack_into,
+    parse_header,
+    verify,
+)
+
+NAMESPACE = bytes(range(16))
+OTHER_NAMESPACE = bytes(range(1, 17))
+KEY = b"k" * 18
+
+
+def payload(nbytes: int = 64 * 1024, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def packed_block(data: bytes, namespace: bytes = NAMESPACE, key: bytes = KEY) -> bytearray:
+    buf = bytearray(block_nbytes(len(data)))
+    buf[HEADER_NBYTES:] = data
+    pack_into(buf, namespace, len(data), key=key)
+    return buf
+
+
+def reason_of(buf, namespace=NAMESPACE, expected=None, key=KEY) -> str:
+    with pytest.raises(BlockFormatError) as info:
+        verify(buf, namespace, expected, key=key)
+    return info.value.reason
+
+
+def test_header_is_64_bytes_so_payloads_stay_aligned():
+    assert HEADER_NBYTES == 64
+    assert len(encode_header(NAMESPACE, b"abc")) == HEADER_NBYTES
+
+
+def test_round_trip_returns_the_payload_bytes():
+    data = payload()
+    buf = packed_block(data)
+    view = verify(buf, NAMESPACE, len(data), key=KEY)
+    assert bytes(view) == data
+
+
+def test_verify_returns_a_view_into_the_buffer_not_a_copy():
+    buf = packed_block(payload(4096))
+    view = verify(buf, NAMESPACE, 4096)
+    buf[HEADER_NBYTES] ^= 0xFF
+    assert view[0] == buf[HEADER_NBYTES]
+
+
+def test_header_plus_payload_written_separately_equals_pack_into():
+    data = payload()
+    assert encode_header(NAMESPACE, data, key=KEY) + data == bytes(packed_block(data))
+    assert encode_block(NAMESPACE, data, key=KEY) == bytes(packed_block(data))
+
+
+def test_pack_into_a_numpy_buffer_and_verify_from_bytes():
+    data = payload(8192)
+    buf = np.zeros(block_nbytes(len(data)), dtype=np.uint8)
+    buf[HEADER_NBYTES:] = np.frombuffer(data, dtype=np.uint8)
+    pack_into(buf, NAMESPACE, len(data), key=KEY)
+    assert bytes(verify(buf.tobytes(), NAMESPACE, len(data), key=KEY)) == data
+
+
+def test_empty_payload_round_trips():
+    assert bytes(verify(packed_block(b""), NAMESPACE, 0, key=KEY)) == b""
+
+
+def test_parse_header_reports_the_fields():
+    data = payload(1000)
+    header = parse_header(packed_block(data))
+    assert header.version == FORMAT_VERSION
+    assert header.namespace_digest == NAMESPACE
+    assert header.payload_nbytes == 1000
+    assert header.key_check == blockfmt.key_check(KEY)
+
+
+def test_flipped_payload_byte_is_a_checksum_mismatch():
+    buf = packed_block(payload())
+    buf[HEADER_NBYTES + 12345] ^= 0x01
+    assert reason_of(buf) == "checksum mismatch"
+
+
+def test_flipped_last_payload_byte_is_a_checksum_mismatch():
+    buf = packed_block(payload())
+    buf[-1] ^= 0x80
+    assert reason_of(buf) == "checksum mismatch"
+
+
+@pytest.mark.parametrize("offset", [8, 12, 16, 31, 32, 40, 48, 56, 63])
+def test_flipped_header_byte_is_a_header_checksum_mismatch(offset):
+    buf = packed_block(payload(4096))
+    buf[offset] ^= 0x04
+    assert reason_of(buf) == "header checksum mismatch"
+
+
+def test_flipped_magic_byte_is_bad_magic():
+    buf = packed_block(payload(4096))
+    buf[0] ^= 0x01
+    assert reason_of(buf) == "bad magic"
+
+
+def test_a_value_that_is_not_a_block_is_bad_magic():
+    assert reason_of(b"\x80\x04\x95pickle-looking bytes" + bytes(100)) == "bad magic"
+    assert reason_of(b"") == "bad magic"
+
+
+@pytest.mark.parametrize("cut", [1, 1000, 4096])
+def test_truncated_payload_is_a_size_mismatch(cut):
+    buf = packed_block(payload(4096))
+    assert reason_of(buf[:-cut]) == "size mismatch"
+
+
+def test_truncated_header_is_a_size_mismatch():
+    assert reason_of(packed_block(payload(4096))[:40]) == "size mismatch"
+
+
+def test_trailing_bytes_are_a_size_mismatch():
+    assert reason_of(packed_block(payload(4096)) + b"\0") == "size mismatch"
+
+
+def test_unexpected_payload_size_is_a_size_mismatch():
+    buf = packed_block(payload(4096))
+    assert reason_of(buf, expected=8192) == "size mismatch"
+
+
+def test_block_of_another_namespace_is_a_namespace_mismatch():
+    buf = packed_block(payload(4096), namespace=OTHER_NAMESPACE)
+    assert reason_of(buf) == "namespace mismatch"
+
+
+def test_block_stored_under_another_key_is_a_key_mismatch():
+    buf = packed_block(payload(4096), key=b"another key")
+    assert reason_of(buf) == "key mismatch"
+    assert bytes(verify(buf, NAMESPACE, 4096, key=b"another key")) == payload(4096)
+
+
+def rewrite_header(buf: bytearray, **fields) -> None:
+    """Change header fields and re-seal the header checksum, as a writer of
+    that version would."""
+    names = ["magic", "version", "header_nbytes", "flags", "reserved", "namespace",
+             "payload_nbytes", "payload_checksum", "key_check"]
+    values = dict(zip(names, blockfmt._HEADER.unpack_from(buf)))
+    values.update(fields)
+    blockfmt._HEADER.pack_into(buf, 0, *(values[n] for n in names))
+    struct.pack_into("<Q", buf, 56, blockfmt._checksum(bytes(buf[:56])))
+
+
+def test_newer_format_version_says_to_upgrade():
+    buf = packed_block(payload(4096))
+    rewrite_header(buf, version=FORMAT_VERSION + 1)
+    with pytest.raises(blockfmt.UnsupportedVersionError) as info:
+        verify(buf, NAMESPACE, 4096)
+    assert info.value.reason == "newer format version"
+    assert str(info.value) == (f"newer format version {FORMAT_VERSION + 1} (this build reads up "
+                               f"to {FORMAT_VERSION}): upgrade ucm-connector")
+
+
+def test_newer_format_version_is_reported_even_if_its_header_differs():
+    # A newer version may move the header checksum; the version alone decides.
+    buf = packed_block(payload(4096))
+    struct.pack_into("<H", buf, 4, FORMAT_VERSION + 3)
+    assert reason_of(buf) == "newer format version"
+
+
+def test_version_zero_is_unsupported():
+    buf = packed_block(payload(4096))
+    rewrite_header(buf, version=0)
+    assert reason_of(buf) == "unsupported format version"
+
+
+def test_unknown_flags_are_refused():
+    buf = packed_block(payload(4096))
+    rewrite_header(buf, flags=1)
+    assert reason_of(buf) == "unsupported flags"
+
+
+def test_errors_are_value_errors_with_the_reason_first():
+    buf = packed_block(payload(4096), namespace=OTHER_NAMESPACE)
+    with pytest.raises(ValueError, match=r"^namespace mismatch: "):
+        verify(buf, NAMESPACE)
+
+
+def test_pack_into_refuses_a_buffer_too_small_or_read_only():
+    with pytest.raises(ValueError, match="too small"):
+        pack_into(bytearray(HEADER_NBYTES + 10), NAMESPACE, 11)
+    with pytest.raises(ValueError, match="writable"):
+        pack_into(bytes(HEADER_NBYTES + 10), NAMESPACE, 10)
+
+
+def test_namespace_digest_must_be_16_bytes():
+    with pytest.raises(ValueError, match="16 bytes"):
+        encode_header(b"short", b"data")

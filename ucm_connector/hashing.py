@@ -1,0 +1,483 @@
+"""Portable content addresses: the namespace of an engine and the key of each block.
+
+This module owns what a block key covers and how it is encoded. It knows
+nothing of vLLM or torch (the connector turns vLLM's config and requests into
+the plain values taken here) and nothing of the stores (a key is ``bytes``).
+
+A key must be the same for the same KV in any process on any host, so nothing
+here depends on Python's ``hash``, ``PYTHONHASHSEED``, pickle, dict order or a
+file path. Every structure is written in a canonical byte encoding where each
+variable-length field carries a type tag and a length prefix, so two different
+inputs cannot produce the same bytes by concatenation; the hash is xxh3-128.
+
+Namespace
+    ``Namespace.digest`` (16 bytes) covers everything that decides what the
+    KV bytes of a block look like: the model weights' fingerprint (not their
+    path), dtype, KV layout (backend and packing), block size, layers, kv
+    heads, head size, TP rank and size, and the block format version.
+
+Keys
+    The chain starts at a per-request root::
+
+        root     = xxh3_128("ucm-root" || tp_group_digest || lora || cache_salt)
+        digest_i = xxh3_128(digest_{i-1} || tokens of block i as u32 LE || mm_i)
+                   with digest_{-1} = root
+        key_i    = digest_i || tp_rank as u16 LE                   (18 bytes)
+
+    ``tp_group_digest`` is the namespace digest without the TP rank, and the
+    rank is the key's last two bytes instead. All ranks of one deployment
+    thereby share one chain: the scheduler hashes a prompt once and derives
+    every rank's keys by swapping the suffix (``keys_for_rank``), yet no two
+    ranks, and no two namespaces, share a key. LoRA and cache_salt hold for
+    the whole request, so they enter the root, which changes every key through
+    the chain exactly as mixing them into block 0 would, at no per-block cost.
+    Multimodal spans enter only the blocks they overlap (``mm_i`` is empty for
+    the others; the parent and the tokens have a fixed length given the
+    namespace, so an empty ``mm_i`` cannot be confused with a present one).
+
+    A namespace prefix in the key would add 16 bytes to every key for nothing:
+    the root already separates namespaces, and a block's header (blockfmt)
+    carries the full namespace digest, which is checked on every load.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import struct
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+import numpy as np
+import xxhash
+
+from ucm_connector.blockfmt import FORMAT_VERSION
+
+DIGEST_NBYTES = 16
+KEY_NBYTES = DIGEST_NBYTES + 2
+# Bumped whenever the encoding of namespaces or keys changes, so that a
+# changed scheme can never read keys made by an older one.
+KEY_SCHEME_VERSION = 1
+
+# Looked up at each call (not bound at import) so tests can count calls.
+_xxh3_128 = xxhash.xxh3_128_digest
+
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+
+
+def _enc_str(value: str) -> bytes:
+    data = value.encode("utf-8")
+    return b"s" + _U32.pack(len(data)) + data
+
+
+def _enc_int(value: int) -> bytes:
+    return b"i" + _I64.pack(value)
+
+
+def _enc_opt_str(value: str | None) -> bytes:
+    return b"n" if value is None else _enc_str(value)
+
+
+# -- model fingerprint -------------------------------------------------------
+
+FULL_HASH_MAX_NBYTES = 64 << 20
+"""Weight files up to this size are hashed whole; larger ones are sampled."""
+
+_EDGE_NBYTES = 1 << 20
+_NUM_INNER_SAMPLES = 16
+_INNER_SAMPLE_NBYTES = 64 << 10
+_READ_CHUNK_NBYTES = 4 << 20
+_SAFETENSORS_MAX_HEADER_NBYTES = 100 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# config.json keys that name where or with what a model was saved, not what it is.
+_CONFIG_KEYS_IGNORED = ("transformers_version",)
+
+
+def model_fingerprint(model_path: str | os.PathLike) -> str:
+    """A 32-hex-digit fingerprint of a model's weights and config, the same
+    for a copy in another directory and different when the weights differ.
+
+    ``model_path`` is a model directory or a single weights file (GGUF).
+    The fingerprint covers, for each weight file in name order: its name
+    relative to the directory, its size, and its bytes. Files of up to
+    ``FULL_HASH_MAX_NBYTES`` are hashed whole (tens of GB/s). Larger files are
+    sampled, so that fingerprinting a multi-GB model costs a few MiB of reads:
+    for safetensors the whole JSON header (every tensor's name, dtype, shape
+    and offsets), and for any large file its first and last MiB and 16 evenly
+    spaced 64 KiB pieces. Fine-tunes change nearly every tensor, so they are
+    told apart; an edit confined to unsampled bytes of a large file is not,
+    which is the price of a start-up measured in milliseconds.
+
+    ``config.json`` is included (it decides RoPE, attention and so the KV),
+    parsed and re-encoded with sorted keys, without keys that record the
+    save path or tool version (``_name_or_path`` and the like).
+    """
+    path = os.fspath(model_path)
+    if os.path.isfile(path):
+        root, weight_files, config_path = os.path.dirname(path), [path], None
+    elif os.path.isdir(path):
+        root = path
+        names = sorted(os.listdir(path))
+        safetensors = [n for n in names if n.endswith(".safetensors")]
+        # vLLM loads safetensors when a directory has them, ignoring .bin copies.
+        chosen = safetensors or [n for n in names if n.endswith(_WEIGHT_SUFFIXES)]
+        weight_files = [os.path.join(path, n) for n in chosen
+                        if os.path.isfile(os.path.join(path, n))]
+        config_path = os.path.join(path, "config.json")
+    else:
+        raise FileNotFoundError(f"model path {path!r} is neither a directory nor a file")
+    if not weight_files:
+        raise ValueError(
+            f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {path!r}: cannot fingerprint "
+            "the model; pass the fingerprint explicitly")
+
+    hasher = xxhash.xxh3_128()
+    hasher.update(b"ucm-model-fingerprint" + _enc_int(KEY_SCHEME_VERSION))
+    if config_path is not None and os.path.isfile(config_path):
+        hasher.update(b"config" + _enc_str(_canonical_config(config_path)))
+    else:
+        hasher.update(b"no-config")
+    for file_path in weight_files:
+        hasher.update(_enc_str(os.path.relpath(file_path, root).replace(os.sep, "/")))
+        _hash_weight_file(hasher, file_path)
+    return hasher.hexdigest()
+
+
+def _canonical_config(config_path: str) -> str:
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    if isinstance(config, dict):
+        config = {k: v for k, v in config.items()
+                  if not k.startswith("_") and k not in _CONFIG_KEYS_IGNORED}
+    return json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _hash_weight_file(hasher, file_path: str) -> None:
+    with open(file_path, "rb") as f:
+        fd = f.fileno()
+        nbytes = os.fstat(fd).st_size
+        hasher.update(_enc_int(nbytes))
+        if nbytes <= FULL_HASH_MAX_NBYTES:
+            hasher.update(b"whole")
+            for offset in range(0, nbytes, _READ_CHUNK_NBYTES):
+                hasher.update(os.pread(fd, _READ_CHUNK_NBYTES, offset))
+            return
+        data_start = 0
+        if file_path.endswith(".safetensors"):
+            (header_nbytes,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            if 0 < header_nbytes <= min(_SAFETENSORS_MAX_HEADER_NBYTES, nbytes - 8):
+                hasher.update(b"safetensors-header" + _enc_int(header_nbytes))
+                hasher.update(os.pread(fd, header_nbytes, 8))
+                data_start = 8 + header_nbytes
+        hasher.update(b"sampled")
+        for offset, length in _sample_ranges(data_start, nbytes):
+            hasher.update(_enc_int(offset) + _enc_int(length))
+            hasher.update(os.pread(fd, length, offset))
+
+
+def _sample_ranges(start: int, end: int) -> list[tuple[int, int]]:
+    span = end - start
+    ranges = [(start, min(_EDGE_NBYTES, span))]
+    inner = span - 2 * _EDGE_NBYTES
+    if inner > 0:
+        stride = inner // (_NUM_INNER_SAMPLES + 1)
+        for i in range(1, _NUM_INNER_SAMPLES + 1):
+            offset = start + _EDGE_NBYTES + i * stride
+            ranges.append((offset, min(_INNER_SAMPLE_NBYTES, end - offset)))
+    if span > _EDGE_NBYTES:
+        tail = max(start + _EDGE_NBYTES, end - _EDGE_NBYTES)
+        ranges.append((tail, end - tail))
+    return ranges
+
+
+# -- namespace ---------------------------------------------------------------
+
+def _normalize_dtype(dtype: str) -> str:
+    # "torch.bfloat16" (str of a torch dtype) and "bfloat16" name the same KV.
+    dtype = str(dtype)
+    return dtype[len("torch."):] if dtype.startswith("torch.") else dtype
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for a stored block's bytes to be usable.
+
+    ``kv_layout`` names the physical layout of one block's bytes, e.g.
+    ``"CPU_ATTN/vec"`` or ``"FLASH_ATTN"``: backend plus ISA packing, since a
+    CPU page packed for AMX is not a page packed for AVX-512. ``extra`` holds
+    further (name, value) pairs for inputs not foreseen here (pipeline stage,
+    KV quantization scheme); their order does not matter.
+    """
+
+    model_fingerprint: str
+    dtype: str
+    kv_layout: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    format_version: int = FORMAT_VERSION
+    extra: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _normalize_dtype(self.dtype))
+        extra = self.extra.items() if isinstance(self.extra, dict) else self.extra
+        object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in extra)))
+        for name in ("model_fingerprint", "dtype", "kv_layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"Namespace.{name} must be a non-empty string, got {value!r}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_size",
+                     "format_version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Namespace.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(
+                f"Namespace.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
+        if self.tp_size > 0xFFFF:
+            raise ValueError(f"Namespace.tp_size must fit in 16 bits, got {self.tp_size}")
+        names = [k for k, _ in self.extra]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Namespace.extra has a repeated name: {names}")
+
+    def _encode(self, with_rank: bool) -> bytes:
+        parts = [b"ucm-namespace", _enc_int(KEY_SCHEME_VERSION)]
+        for f in fields(self):
+            if f.name == "tp_rank" and not with_rank:
+                continue
+            value = getattr(self, f.name)
+            parts.append(_enc_str(f.name))
+            if f.name == "extra":
+                parts.append(_enc_int(len(value)))
+                for k, v in value:
+                    parts.append(_enc_str(k) + _enc_str(v))
+            elif isinstance(value, int):
+                parts.append(_enc_int(value))
+            else:
+                parts.append(_enc_str(value))
+        return b"".join(parts)
+
+    @cached_property
+    def digest(self) -> bytes:
+        """16 bytes identifying this namespace, stored in every block header."""
+        return _xxh3_128(self._encode(with_rank=True))
+
+    @cached_property
+    def tp_group_digest(self) -> bytes:
+        """The digest of this namespace without the TP rank: shared by all
+        ranks of one deployment, it roots their common key chain."""
+        return _xxh3_128(self._encode(with_rank=False))
+
+    def for_rank(self, tp_rank: int) -> "Namespace":
+        """This namespace as seen by another TP rank of the same deployment."""
+        return Namespace(**{f.name: getattr(self, f.name) for f in fields(self)
+                            if f.name != "tp_rank"}, tp_rank=tp_rank)
+
+    def describe(self) -> str:
+        """One line for logs and ``ucm`` output."""
+        extra = "".join(f", {k}={v}" for k, v in self.extra)
+        return (f"model {self.model_fingerprint[:12]} {self.dtype} {self.kv_layout}, "
+                f"block {self.block_size}, {self.num_layers} layers x {self.num_kv_heads} "
+                f"kv heads x {self.head_size}, tp {self.tp_rank}/{self.tp_size}, "
+                f"format v{self.format_version}{extra} [ns {self.digest.hex()[:16]}]")
+
+
+# -- block keys --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MultiModalSpan:
+    """A multimodal input occupying tokens ``[offset, offset + length)`` of the
+    prompt, identified by a content hash (vLLM's ``mm_hash``/identifier)."""
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length <= 0:
+            raise ValueError(f"bad multimodal span {self!r}: need offset >= 0 and length > 0")
+
+
+_U32_TYPECODE = next(c for c in "IL" if array.array(c).itemsize == 4)
+_NEEDS_BYTESWAP = sys.byteorder != "little"
+
+
+def tokens_to_bytes(token_ids) -> memoryview:
+    """Token ids as contiguous little-endian uint32 bytes (one conversion for
+    the whole list, so the hashing loop only slices)."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > 0xFFFFFFFF):
+            raise ValueError("token ids must be in [0, 2**32)")
+        return memoryview(np.ascontiguousarray(token_ids, dtype="<u4")).cast("B")
+    if not isinstance(token_ids, (list, tuple)):
+        # vLLM's ConstantList and similar wrappers iterate slowly; a slice
+        # hands back the underlying list in one C-level copy.
+        token_ids = token_ids[:]
+    try:
+        arr = array.array(_U32_TYPECODE, token_ids)
+    except OverflowError as exc:
+        raise ValueError(f"token ids must be in [0, 2**32): {exc}") from None
+    if _NEEDS_BYTESWAP:
+        arr.byteswap()
+    return memoryview(arr).cast("B")
+
+
+def keys_for_rank(keys: Iterable[bytes], tp_rank: int) -> list[bytes]:
+    """The same blocks' keys for another TP rank (a suffix swap, no hashing)."""
+    suffix = _U16.pack(tp_rank)
+    return [key[:DIGEST_NBYTES] + suffix for key in keys]
+
+
+def key_digest(key: bytes) -> bytes:
+    """The chain digest inside a key (its rank-independent part)."""
+    return key[:DIGEST_NBYTES]
+
+
+class BlockHasher:
+    """Hashes the full blocks of token lists into keys of one namespace.
+
+    One per engine (scheduler and each worker); cheap to share, holds no
+    per-request state. Hashing a list converts it to bytes once, then runs one
+    xxh3_128 call per block on ``parent || slice``: measured faster here than
+    a streaming hasher per block (``benchmarks/hash_bench.py``).
+    """
+
+    def __init__(self, namespace: Namespace):
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+        self._block_nbytes = 4 * namespace.block_size
+        self._suffix = _U16.pack(namespace.tp_rank)
+
+    def root(self, *, lora: str | None = None, cache_salt: str | None = None) -> bytes:
+        """The chain's starting digest for a request with these extras."""
+        return _xxh3_128(b"ucm-root" + self.namespace.tp_group_digest
+                         + _enc_opt_str(lora) + _enc_opt_str(cache_salt))
+
+    def block_keys(self, token_ids, *, lora: str | None = None, cache_salt: str | None = None,
+                   mm_spans: Sequence[MultiModalSpan] = ()) -> list[bytes]:
+        """Keys of all full blocks of ``token_ids``; a partial last block has none."""
+        # chain() skips the partial tail; converting it costs less than slicing.
+        return self.chain(tokens_to_bytes(token_ids), self.root(lora=lora, cache_salt=cache_salt),
+                          0, _spans_by_block(mm_spans, self.block_size))
+
+    def chain(self, data: memoryview, parent: bytes, first_block: int,
+              mm_extras: dict[int, bytes] | None = None) -> list[bytes]:
+        """Keys of the blocks in ``data`` (whole blocks of u32 LE tokens) that
+        follow the block whose digest is ``parent``; ``first_block`` is the
+        index of the first of them in the request, used to place mm extras."""
+        step = self._block_nbytes
+        nbytes = len(data) - len(data) % step
+        suffix = self._suffix
+        h = _xxh3_128
+        keys: list[bytes] = []
+        append = keys.append
+        if not mm_extras:
+            for offset in range(0, nbytes, step):
+                parent = h(parent + data[offset:offset + step])
+                append(parent + suffix)
+            return keys
+        get_extra = mm_extras.get
+        block = first_block
+        for offset in range(0, nbytes, step):
+            extra = get_extra(block)
+            if extra is None:
+                parent = h(parent + data[offset:offset + step])
+            else:
+                parent = h(parent + data[offset:offset + step] + extra)
+            append(parent + suffix)
+            block += 1
+        return keys
+
+    def request(self, *, lora: str | None = None, cache_salt: str | None = None,
+                mm_spans: Sequence[MultiModalSpan] = ()) -> "RequestKeys":
+        """A per-request key cache; see ``RequestKeys``."""
+        return RequestKeys(self, lora=lora, cache_salt=cache_salt, mm_spans=mm_spans)
+
+
+def _spans_by_block(mm_spans: Sequence[MultiModalSpan], block_size: int) -> dict[int, bytes]:
+    """The encoded multimodal extra of each block that a span overlaps. Each
+    entry records the span's hash and its place relative to the block, so
+    the same image at another position in the block gives another key."""
+    per_block: dict[int, list[MultiModalSpan]] = {}
+    for span in mm_spans:
+        if not isinstance(span, MultiModalSpan):
+            span = MultiModalSpan(*span)
+        first = span.offset // block_size
+        last = (span.offset + span.length - 1) // block_size
+        for block in range(first, last + 1):
+            per_block.setdefault(block, []).append(span)
+    encoded = {}
+    for block, spans in per_block.items():
+        start = block * block_size
+        spans.sort(key=lambda s: (s.offset, s.length, s.identifier))
+        parts = [b"mm", _enc_int(len(spans))]
+        for span in spans:
+            parts.append(_enc_int(span.offset - start) + _enc_int(span.length)
+                         + _enc_str(span.identifier))
+        encoded[block] = b"".join(parts)
+    return encoded
+
+
+class RequestKeys:
+    """The keys of one request, extended as its tokens grow.
+
+    ``update`` may be called any number of times with the request's growing
+    token list (the scheduler asks on every lookup, and decode appends
+    tokens); each block is hashed once, on the first call that sees it full.
+    The token list must only grow: the tokens of the last hashed block are
+    compared on every call, which catches a caller passing another request's
+    tokens, and a mismatch raises rather than return keys of other content.
+    """
+
+    def __init__(self, hasher: BlockHasher, *, lora: str | None = None,
+                 cache_salt: str | None = None, mm_spans: Sequence[MultiModalSpan] = ()):
+        self._hasher = hasher
+        self._block_size = hasher.block_size
+        self._parent = hasher.root(lora=lora, cache_salt=cache_salt)
+        self._mm_extras = _spans_by_block(mm_spans, hasher.block_size)
+        self._keys: list[bytes] = []
+        self._last_block_tokens: list[int] = []
+
+    @property
+    def num_blocks(self) -> int:
+        """Full blocks hashed so far."""
+        return len(self._keys)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens covered by the keys so far."""
+        return len(self._keys) * self._block_size
+
+    @property
+    def keys(self) -> list[bytes]:
+        return list(self._keys)
+
+    def update(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Keys of all full blocks of ``token_ids``, hashing only new blocks."""
+        bs = self._block_size
+        done = len(self._keys) * bs
+        if done:
+            last = token_ids[done - bs:done]
+            if len(last) != bs or list(last) != self._last_block_tokens:
+                raise ValueError(
+                    "token_ids do not extend the tokens already hashed for this request "
+                    f"(block {len(self._keys) - 1} differs)")
+        num_blocks = len(token_ids) // bs
+        if num_blocks > len(self._keys):
+            # A fresh request converts the list as it is (chain() skips the
+            # partial tail) rather than paying for a sliced copy.
+            new_tokens = token_ids[done:] if done else token_ids
+            new_keys = self._hasher.chain(tokens_to_bytes(new_tokens), self._parent,
+                                          len(self._keys), self._mm_extras)
+            self._keys.extend(new_keys)
+            self._parent = new_keys[-1][:DIGEST_NBYTES]
+            self._last_block_tokens = list(token_ids[(num_blocks - 1) * bs:num_blocks * bs])
+        return list(self._keys[:num_blocks])
