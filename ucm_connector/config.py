@@ -1,0 +1,180 @@
+"""UCMConfig: ``kv_connector_extra_config`` (and its ``config_file``) parsed
+into a typed, validated configuration.
+
+Owns the names, types, defaults and meanings of every connector option, in
+one table (``OPTIONS``) that the docs are checked against.  An unknown key or
+a bad value stops start-up with a message that names the key and says what
+is expected.  Knows nothing of vLLM; the connector hands it the dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping
+
+from store_backends.registry import url_scheme
+from store_backends.base import StoreOpenError
+
+
+class UCMConfigError(ValueError):
+    """A connector option is unknown or has a bad value."""
+
+
+def default_store_url() -> str:
+    """``disk://`` under the user's cache directory: works with no server."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return f"disk://{os.path.join(os.path.abspath(base), 'ucm-connector', 'kv')}?capacity=20GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str
+    kind: str                 # what a user writes, for messages and docs
+    default: Any
+    help: str
+    check: Callable[[str, Any], Any]
+
+
+def _store(name: str, value: Any) -> str | tuple[str, ...]:
+    urls = [value] if isinstance(value, str) else value
+    if not isinstance(urls, (list, tuple)) or not urls or not all(isinstance(u, str) for u in urls):
+        raise UCMConfigError(f"{name}: expected a store URL or a non-empty list of store URLs, got {value!r}")
+    for url in urls:
+        try:
+            url_scheme(url)
+        except StoreOpenError as exc:
+            raise UCMConfigError(f"{name}: {exc}") from None
+    return urls[0] if len(urls) == 1 else tuple(urls)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    raise UCMConfigError(f"{name}: expected true or false, got {value!r}")
+
+
+def _choice(*choices: str) -> Callable[[str, Any], str]:
+    def check(name: str, value: Any) -> str:
+        if value not in choices:
+            raise UCMConfigError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+        return value
+    return check
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UCMConfigError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _path(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise UCMConfigError(f"{name}: expected a file path, got {value!r}")
+    return value
+
+
+def _sparse(name: str, value: Any) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("method"), str):
+        raise UCMConfigError(f"{name}: expected {{\"method\": NAME, ...options}}, got {value!r}")
+    raise UCMConfigError(
+        f"{name}: no sparse-attention method named {value['method']!r} is available in this "
+        f"version of ucm-connector; remove '{name}' to run with dense attention")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("store", "URL or list of URLs", None,
+           "Where blocks are kept: a store URL, or a list of URLs = tiers, fastest first. "
+           "Default: disk:// under the user's cache directory (~/.cache/ucm-connector/kv, 20GiB).",
+           _store),
+    Option("config_file", "path", None,
+           "A YAML file with the same keys; keys given in kv_connector_extra_config win.", _path),
+    Option("sparse", "object", None,
+           "Sparse attention: {\"method\": NAME, ...options}; absent = dense attention.", _sparse),
+    Option("load_kv_async", "bool", False,
+           "Load blocks in the background: the request waits (and others run) until its blocks are in.",
+           _bool),
+    Option("tier_write_mode", "async | sync", "async",
+           "With tiers: write lower tiers in the background (async) or before a save completes (sync).",
+           _choice("async", "sync")),
+    Option("max_pending_save_mib", "int", 1024,
+           "Bound on saved KV waiting for the background writer; beyond it saves are skipped and counted.",
+           _positive_int),
+    Option("min_hit_blocks", "int", 1,
+           "Fewest stored leading blocks worth loading; shorter hits are computed instead.",
+           _positive_int),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class UCMConfig:
+    store: str | tuple[str, ...]
+    config_file: str | None = None
+    sparse: dict | None = None
+    load_kv_async: bool = False
+    tier_write_mode: str = "async"
+    max_pending_save_mib: int = 1024
+    min_hit_blocks: int = 1
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "UCMConfig":
+        """Validate ``kv_connector_extra_config`` (merged over its
+        ``config_file``, if any) into a config."""
+        extra = dict(extra or {})
+        _reject_unknown(extra, "kv_connector_extra_config")
+        merged: dict[str, Any] = {}
+        config_file = _path("config_file", extra.get("config_file"))
+        if config_file:
+            from_file = _load_yaml(config_file)
+            _reject_unknown(from_file, f"config_file {config_file!r}")
+            if "config_file" in from_file:
+                raise UCMConfigError(f"config_file {config_file!r}: 'config_file' cannot be nested")
+            merged.update(from_file)
+        merged.update(extra)
+        values = {}
+        for option in OPTIONS:
+            if option.name in merged:
+                values[option.name] = option.check(option.name, merged[option.name])
+            elif option.default is not None:
+                values[option.name] = option.default
+        values.setdefault("store", default_store_url())
+        return cls(**values)
+
+    @property
+    def store_urls(self) -> list[str]:
+        return [self.store] if isinstance(self.store, str) else list(self.store)
+
+
+def _reject_unknown(mapping: Mapping[str, Any], where: str) -> None:
+    for key in mapping:
+        if key not in _BY_NAME:
+            import difflib
+
+            near = difflib.get_close_matches(str(key), list(_BY_NAME), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise UCMConfigError(
+                f"{where}: unknown key {key!r}{hint}; known keys: {', '.join(sorted(_BY_NAME))}")
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise UCMConfigError(f"config_file {path!r}: cannot be read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise UCMConfigError(f"config_file {path!r}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UCMConfigError(f"config_file {path!r}: expected a mapping of keys to values, got {type(data).__name__}")
+    return data

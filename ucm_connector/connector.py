@@ -1,0 +1,148 @@
+"""UCMConnector: vLLM's KV-connector interface, routed to the two roles.
+
+Thin on purpose: it builds the config, the store and the namespace, then
+hands every hook to ``UCMScheduler`` (scheduler role) or ``UCMWorker``
+(worker role).  ``kv_role`` decides what runs: ``kv_producer`` only saves,
+``kv_consumer`` only loads, ``kv_both`` does both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from store_backends import StoreError, open_store
+
+from .config import UCMConfig
+from .hashing import BlockHasher
+from .layout import namespace_for
+from .metrics import StatsCollector, UCMStats
+from .scheduler import BlockPlan, UCMScheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class UCMConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, sent from the scheduler to every worker (picklable)."""
+
+    loads: list[BlockPlan] = dataclasses.field(default_factory=list)
+    saves: list[BlockPlan] = dataclasses.field(default_factory=list)
+
+
+def _open_store(config: UCMConfig):
+    urls = config.store_urls
+    if len(urls) == 1:
+        return open_store(urls[0])
+    return open_store(urls, write_mode=config.tier_write_mode)
+
+
+class UCMConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        self.config = UCMConfig.from_extra_config(transfer_config.kv_connector_extra_config)
+        kv_role = transfer_config.kv_role
+        self._load_enabled = kv_role in ("kv_consumer", "kv_both")
+        self._save_enabled = kv_role in ("kv_producer", "kv_both")
+        self.stats = StatsCollector()
+        self._scheduler: UCMScheduler | None = None
+        self._worker = None
+        try:
+            self.store = _open_store(self.config)
+        except StoreError as exc:
+            raise RuntimeError(f"ucm-connector cannot start: {exc}") from None
+        if role == KVConnectorRole.SCHEDULER:
+            # A block that fails to load is recomputed, never a failed request.
+            if getattr(transfer_config, "kv_load_failure_policy", "recompute") == "fail":
+                transfer_config.kv_load_failure_policy = "recompute"
+            namespace = namespace_for(vllm_config, tp_rank=0)
+            logger.info("ucm-connector: store %s, namespace %s, role %s", self.store.url,
+                        namespace.describe(), kv_role)
+            self._scheduler = UCMScheduler(
+                store=self.store, hasher=BlockHasher(namespace), block_size=namespace.block_size,
+                tp_size=namespace.tp_size, load=self._load_enabled, save=self._save_enabled,
+                min_hit_blocks=self.config.min_hit_blocks, stats=self.stats)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from .worker import UCMWorker
+
+            try:
+                tp_rank = get_tensor_model_parallel_rank()
+            except Exception:
+                tp_rank = 0
+            namespace = namespace_for(vllm_config, tp_rank=tp_rank)
+            num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+            self._worker = UCMWorker(
+                store=self.store, namespace_digest=namespace.digest, tp_rank=tp_rank,
+                num_blocks=num_blocks, max_pending_nbytes=self.config.max_pending_save_mib << 20,
+                stats=self.stats)
+
+    # -- worker side ---------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if not self._load_enabled:
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, UCMConnectorMetadata):
+            self._worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if not self._save_enabled:
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, UCMConnectorMetadata):
+            self._worker.save(meta.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    # -- scheduler side ------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        loads, saves = self._scheduler.build_plans(scheduler_output)
+        return UCMConnectorMetadata(loads=loads, saves=saves)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.request_finished(request)
+        return False, None
+
+    # -- both ----------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return UCMStats(data=dict(data)) if data is not None else UCMStats()
+
+    def get_kv_connector_stats(self):
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        self.store.close()

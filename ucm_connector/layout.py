@@ -1,0 +1,65 @@
+"""The geometry of this engine's KV cache, as the namespace needs it.
+
+Both connector roles build the same ``Namespace`` from vLLM's config; the
+scheduler hashes prompts with it and the workers stamp and check blocks with
+it, so the two must agree without talking to each other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .blockfmt import FORMAT_VERSION
+from .hashing import Namespace, model_fingerprint
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(model: str) -> str:
+    import os
+
+    if os.path.exists(model):
+        return model_fingerprint(model)
+    # A hub name with no local files: the name is all there is to go on.
+    import xxhash
+
+    return "name:" + xxhash.xxh3_128_hexdigest(model.encode())
+
+
+def kv_layout(vllm_config) -> str:
+    """Backend and packing of a KV page: pages are only meaningful to the
+    same layout (the CPU backend packs K and V per ISA)."""
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(model_config.dtype, cache_config.block_size, model_config.get_head_size(),
+                            cache_config.cache_dtype)
+        return f"cpu/CPU_ATTN/{isa}/{cache_config.cache_dtype}"
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None) or "auto"
+    try:
+        from vllm.v1.kv_cache_layout import get_kv_cache_layout
+
+        order = get_kv_cache_layout()
+    except Exception:
+        order = "default"
+    return f"{current_platform.device_name}/{backend}/{order}/{cache_config.cache_dtype}"
+
+
+def namespace_for(vllm_config, tp_rank: int = 0) -> Namespace:
+    model_config = vllm_config.model_config
+    parallel_config = vllm_config.parallel_config
+    return Namespace(
+        model_fingerprint=_fingerprint(str(model_config.model)),
+        dtype=str(model_config.dtype),
+        kv_layout=kv_layout(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        num_layers=model_config.get_num_layers(parallel_config),
+        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+        head_size=model_config.get_head_size(),
+        tp_rank=tp_rank,
+        tp_size=parallel_config.tensor_parallel_size,
+        format_version=FORMAT_VERSION,
+    )

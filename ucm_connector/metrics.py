@@ -1,0 +1,74 @@
+"""Connector statistics: what vLLM's logs and ``/metrics`` show about the
+external cache (hit tokens, blocks and bytes moved, time spent, errors).
+
+Counters are summed over an interval and over TP ranks (``aggregate``), then
+reported once (``reduce``).  Knows vLLM's ``KVConnectorStats`` shape only.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+COUNTERS = (
+    "lookup_tokens",      # prompt tokens looked up in the store (scheduler)
+    "hit_tokens",         # tokens the store supplied (scheduler)
+    "loaded_blocks", "loaded_bytes", "load_seconds",
+    "saved_blocks", "saved_bytes", "save_seconds",
+    "skipped_saves",      # already stored, or the writer's backlog was full
+    "load_errors",        # blocks that failed to load (missing, corrupt, store down)
+    "store_errors",       # store calls that failed
+)
+
+
+class UCMStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = {name: 0 for name in COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> "UCMStats":
+        for name, value in (other.data or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data)
+        for kind in ("load", "save"):
+            seconds = self.data.get(f"{kind}_seconds", 0)
+            nbytes = self.data.get(f"{'loaded' if kind == 'load' else 'saved'}_bytes", 0)
+            out[f"{kind}_gb_per_s"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in COUNTERS)
+
+
+class StatsCollector:
+    """Thread-safe counters, taken (and zeroed) once per step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = {name: 0 for name in COUNTERS}
+        self._totals = {name: 0 for name in COUNTERS}
+
+    def add(self, **values: float) -> None:
+        with self._lock:
+            for name, value in values.items():
+                self._data[name] += value
+                self._totals[name] += value
+
+    def take(self) -> UCMStats | None:
+        with self._lock:
+            if not any(self._data.values()):
+                return None
+            data, self._data = self._data, {name: 0 for name in COUNTERS}
+        return UCMStats(data=data)
+
+    def totals(self) -> dict[str, float]:
+        """Counts since start (for tests and the demo)."""
+        with self._lock:
+            return dict(self._totals)

@@ -1,0 +1,202 @@
+"""Scheduler role: look prompts up in the store and plan loads and saves.
+
+Per request it keeps the block keys (each block hashed once, however often
+vLLM asks), the vLLM block table, and how many leading blocks are known to be
+stored.  Each step it turns that into a ``UCMConnectorMetadata`` plan for the
+workers: which vLLM blocks to fill from which keys, and which newly full
+blocks to save.  It never touches KV data.
+
+A store that fails a lookup only makes the engine hit less: the error is
+counted and logged once, and the request is computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from store_backends import KVStore, StoreError
+
+from .hashing import BlockHasher, MultiModalSpan, RequestKeys, keys_for_rank
+from .metrics import StatsCollector
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BlockPlan:
+    """Blocks of one request to load or save: ``block_ids[i]`` <-> ``keys[i]``
+    (TP rank 0's keys; each worker derives its own rank's)."""
+
+    req_id: str
+    block_ids: list[int]
+    keys: list[bytes]
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request: Any
+    keys: RequestKeys | None
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    num_stored_blocks: int = 0      # leading blocks known to be in the store
+    lookup: tuple[int, int] | None = None   # (blocks asked, blocks found)
+    num_local_tokens: int = 0
+    pending_load: BlockPlan | None = None
+
+
+def _request_extras(request) -> dict[str, Any]:
+    lora = getattr(request, "lora_request", None)
+    spans = []
+    for feature in getattr(request, "mm_features", None) or []:
+        position = getattr(feature, "mm_position", None)
+        identifier = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        if position is not None and identifier is not None:
+            spans.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
+    return {
+        "lora": getattr(lora, "lora_name", None) if lora is not None else None,
+        "cache_salt": getattr(request, "cache_salt", None),
+        "mm_spans": tuple(spans),
+    }
+
+
+class UCMScheduler:
+    def __init__(self, *, store: KVStore, hasher: BlockHasher, block_size: int, tp_size: int,
+                 load: bool, save: bool, min_hit_blocks: int, stats: StatsCollector) -> None:
+        self.store = store
+        self.hasher = hasher
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.load = load
+        self.save = save
+        self.min_hit_blocks = min_hit_blocks
+        self.stats = stats
+        self._states: dict[str, _RequestState] = {}
+        self._logged_store_error = False
+
+    # -- helpers -----------------------------------------------------------
+
+    def _state(self, request) -> _RequestState:
+        state = self._states.get(request.request_id)
+        if state is None:
+            keys = None
+            if getattr(request, "prompt_embeds", None) is None:
+                keys = self.hasher.request(**_request_extras(request))
+            state = _RequestState(request=request, keys=keys)
+            self._states[request.request_id] = state
+        return state
+
+    def _keys(self, state: _RequestState) -> list[bytes]:
+        """Keys of every full block of the request's tokens so far."""
+        if state.keys is None:
+            return []
+        tokens = state.request.all_token_ids
+        try:
+            return state.keys.update(tokens)
+        except ValueError:
+            # The token list no longer extends what was hashed (a request
+            # rewritten on resume): start its chain again.
+            state.keys = self.hasher.request(**_request_extras(state.request))
+            state.num_stored_blocks = 0
+            return state.keys.update(tokens)
+
+    def _store_failed(self, what: str, exc: BaseException) -> None:
+        self.stats.add(store_errors=1)
+        if not self._logged_store_error:
+            self._logged_store_error = True
+            logger.warning("ucm-connector: %s failed: %s; running without the external cache "
+                           "for now (further store errors are counted, not logged)", what, exc)
+
+    def _stored_prefix(self, keys: list[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            found = self.store.prefix_len(keys)
+            for rank in range(1, self.tp_size):
+                if found == 0:
+                    break
+                found = min(found, self.store.prefix_len(keys_for_rank(keys[:found], rank)))
+            return found
+        except StoreError as exc:
+            self._store_failed("store lookup", exc)
+            return 0
+
+    # -- vLLM scheduler hooks ----------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._state(request)
+        if not self.load or state.keys is None:
+            return 0, False
+        keys = self._keys(state)
+        # Always leave at least one token to compute: it yields the logits.
+        max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
+        if state.lookup is not None and state.lookup[0] == max_blocks:
+            found = state.lookup[1]
+        else:
+            found = self._stored_prefix(keys[:max_blocks])
+            state.lookup = (max_blocks, found)
+            self.stats.add(lookup_tokens=max_blocks * self.block_size)
+        if found < self.min_hit_blocks:
+            found = 0
+        state.num_stored_blocks = max(state.num_stored_blocks, found)
+        num_external = found * self.block_size - num_computed_tokens
+        if num_external <= 0:
+            return 0, False
+        state.num_local_tokens = num_computed_tokens
+        return num_external, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        state = self._state(request)
+        if num_external_tokens <= 0 or state.keys is None:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        first = state.num_local_tokens // self.block_size
+        last = (state.num_local_tokens + num_external_tokens) // self.block_size
+        state.pending_load = BlockPlan(request.request_id, block_ids[first:last], state.keys.keys[first:last])
+        self.stats.add(hit_tokens=num_external_tokens)
+
+    def build_plans(self, scheduler_output) -> tuple[list[BlockPlan], list[BlockPlan]]:
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._states.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._states.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if state is None:
+                continue
+            if req_id in resumed:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+
+        loads = []
+        for state in self._states.values():
+            if state.pending_load is not None:
+                if state.pending_load.block_ids:
+                    loads.append(state.pending_load)
+                state.pending_load = None
+
+        saves = []
+        if self.save:
+            for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+                state = self._states.get(req_id)
+                if state is None or state.keys is None:
+                    continue
+                request = state.request
+                num_done = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
+                num_full = min(num_done // self.block_size, len(state.block_ids))
+                if num_full <= state.num_stored_blocks:
+                    continue
+                keys = self._keys(state)
+                num_full = min(num_full, len(keys))
+                first = state.num_stored_blocks
+                if num_full > first:
+                    saves.append(BlockPlan(req_id, state.block_ids[first:num_full], keys[first:num_full]))
+                    state.num_stored_blocks = num_full
+        return loads, saves
+
+    def request_finished(self, request) -> None:
+        self._states.pop(request.request_id, None)
