@@ -11,7 +11,7 @@ def test_defaults_need_no_server():
     config = UCMConfig.from_extra_config({})
     assert config.store == default_store_url()
     assert config.store.startswith("disk:///")
-    assert config.sparse is None and config.load_kv_async is False
+    assert config.sparse is None and config.tier_write_mode == "async"
 
 
 def test_a_list_of_urls_is_a_tier():
@@ -28,7 +28,6 @@ def test_an_unknown_key_is_named_with_a_suggestion():
     ("store", "nonsense", "store: store 'nonsense' is not a URL"),
     ("store", [], "store: expected a store URL or a non-empty list"),
     ("store", 5, "store: expected a store URL"),
-    ("load_kv_async", "maybe", "load_kv_async: expected true or false, got 'maybe'"),
     ("tier_write_mode", "later", "tier_write_mode: expected one of async, sync, got 'later'"),
     ("min_hit_blocks", 0, "min_hit_blocks: expected a positive integer, got 0"),
     ("max_pending_save_mib", True, "max_pending_save_mib: expected a positive integer"),

@@ -48,14 +48,6 @@ def _store(name: str, value: Any) -> str | tuple[str, ...]:
     return urls[0] if len(urls) == 1 else tuple(urls)
 
 
-def _bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-        return value.strip().lower() in ("true", "1", "yes", "on")
-    raise UCMConfigError(f"{name}: expected true or false, got {value!r}")
-
-
 def _choice(*choices: str) -> Callable[[str, Any], str]:
     def check(name: str, value: Any) -> str:
         if value not in choices:
@@ -97,9 +89,6 @@ OPTIONS: tuple[Option, ...] = (
            "A YAML file with the same keys; keys given in kv_connector_extra_config win.", _path),
     Option("sparse", "object", None,
            "Sparse attention: {\"method\": NAME, ...options}; absent = dense attention.", _sparse),
-    Option("load_kv_async", "bool", False,
-           "Load blocks in the background: the request waits (and others run) until its blocks are in.",
-           _bool),
     Option("tier_write_mode", "async | sync", "async",
            "With tiers: write lower tiers in the background (async) or before a save completes (sync).",
            _choice("async", "sync")),
@@ -118,7 +107,6 @@ class UCMConfig:
     store: str | tuple[str, ...]
     config_file: str | None = None
     sparse: dict | None = None
-    load_kv_async: bool = False
     tier_write_mode: str = "async"
     max_pending_save_mib: int = 1024
     min_hit_blocks: int = 1
