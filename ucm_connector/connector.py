@@ -26,7 +26,8 @@ from .layout import namespace_for
 from .metrics import StatsCollector, UCMStats
 from .scheduler import BlockPlan, UCMScheduler
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so that vLLM's log handlers and format apply.
+logger = logging.getLogger("vllm.ucm_connector.connector")
 
 
 @dataclasses.dataclass

@@ -21,7 +21,8 @@ from store_backends import KVStore, StoreError
 from .hashing import BlockHasher, MultiModalSpan, RequestKeys, keys_for_rank
 from .metrics import StatsCollector
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so that vLLM's log handlers and format apply.
+logger = logging.getLogger("vllm.ucm_connector.scheduler")
 
 
 @dataclasses.dataclass

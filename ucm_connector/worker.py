@@ -27,7 +27,8 @@ from .metrics import StatsCollector
 from .scheduler import BlockPlan
 from .transfer import BlockTransfer
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so that vLLM's log handlers and format apply.
+logger = logging.getLogger("vllm.ucm_connector.worker")
 
 
 class UCMWorker:
@@ -84,6 +85,7 @@ class UCMWorker:
             self._failed("store load", exc)
             found = [False] * n
         good: list[int] = []
+        bad_keys: list[bytes] = []
         for i, ok in enumerate(found):
             if ok:
                 try:
@@ -92,7 +94,15 @@ class UCMWorker:
                     continue
                 except blockfmt.BlockFormatError as exc:
                     self._failed(f"block check ({exc.reason})", exc)
+                    bad_keys.append(keys[i])
             self.load_errors.add(block_ids[i])
+        if bad_keys:
+            # A bad block would otherwise be found, fail and be recomputed
+            # on every later hit, and never be saved again.
+            try:
+                self.store.delete(bad_keys)
+            except StoreError as exc:
+                self._failed("store delete of bad blocks", exc)
         if good:
             self.transfer.scatter([block_ids[i] for i in good], rows[good, blockfmt.HEADER_NBYTES:])
         self.stats.add(loaded_blocks=len(good), loaded_bytes=len(good) * self.payload_nbytes,
