@@ -1,0 +1,282 @@
+"""Runs ONE vLLM engine and a list of steps from a JSON spec; used by
+tests/test_e2e_connector.py as a subprocess (an engine per process, so a
+test can start a second engine after the first one has exited).
+
+    python tests/e2e_runner.py SPEC.json OUT.json
+
+Spec::
+
+    {"model": DIR,                       # required
+     "store": URL | null,                # null: no connector
+     "kv_role": "kv_both",               # kv_producer / kv_consumer / kv_both
+     "prefix_caching": false,            # vLLM's own prefix cache
+     "max_num_batched_tokens": 256,      # small: long prompts go through chunked prefill
+     "extra_config": {...},              # more kv_connector_extra_config keys
+     "steps": [...]}
+
+Steps (each may carry a "name"; results are keyed by it):
+
+* ``{"op": "generate", "name": N, "prompts": [P, ...], "max_tokens": 16}``:
+  one ``LLM.generate`` call with all prompts (one batch), greedy,
+  ``ignore_eos``.  P is ``{"tokens": [...]}`` or ``{"from": STEP, "index": i,
+  "append": [...]}`` (that step's prompt i + its output i + ``append``: the
+  next turn of a chat); either may add ``"cache_salt"``.
+* ``{"op": "flush"}``: wait until the store's block count has stopped
+  changing (saves are written by a background thread of the engine).
+* ``{"op": "corrupt", "root": DIR, "mode": "valid" | "raw"}``: damage every
+  block file of a ``disk://`` store.  ``valid``: negate every bf16 value of
+  the payload and re-pack the envelope, so the block checks pass but the KV is
+  wrong.  ``raw``: flip one payload byte in place, so the checksum fails.
+* ``{"op": "kill", "pid": PID}``: SIGKILL a process the test started (a
+  Redis server taken down mid-run).
+* ``{"op": "sleep", "seconds": S}``.
+
+OUT.json is rewritten after every step: ``{"ok": bool, "error": str | null,
+"steps": {name: result}}``; a generate result holds ``outputs`` (token ids
+per prompt), ``cached`` (``num_cached_tokens`` per prompt), ``prompts``
+(token ids per prompt) and ``seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# -- store helpers (also imported by the tests) -------------------------------
+
+def count_blocks(url: str) -> int:
+    """Blocks held by the store at ``url`` (for Redis: keys of its namespace)."""
+    import urllib.parse
+
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("redis", "rediss"):
+        import redis
+
+        parts = urllib.parse.urlsplit(url)
+        query = dict(urllib.parse.parse_qsl(parts.query))
+        namespace = query.get("namespace", "ucm")
+        client = redis.Redis(host=parts.hostname, port=parts.port or 6379,
+                             db=int(parts.path.strip("/") or 0), socket_timeout=5)
+        try:
+            return sum(1 for _ in client.scan_iter(match=f"{namespace}:*", count=1000))
+        finally:
+            client.close()
+    if scheme == "disk":
+        root = urllib.parse.unquote(urllib.parse.urlsplit(url).path)
+        return len(block_files(root))
+    from store_backends import open_store
+
+    store = open_store(url)
+    try:
+        return int(store.stats().num_blocks or 0)
+    finally:
+        store.close()
+
+
+def block_files(root: str) -> list[str]:
+    """The published block files of a ``disk://`` store (temp files excluded)."""
+    out = []
+    for i in range(256):
+        shard = os.path.join(root, f"{i:02x}")
+        try:
+            names = os.listdir(shard)
+        except FileNotFoundError:
+            continue
+        out.extend(os.path.join(shard, n) for n in names
+                   if len(n) == 32 and all(c in "0123456789abcdef" for c in n))
+    return sorted(out)
+
+
+def wait_quiet(url: str, *, min_blocks: int = 0, quiet_s: float = 0.6, timeout_s: float = 60.0) -> int:
+    """Wait until the store holds at least ``min_blocks`` blocks and its
+    block count has not changed for ``quiet_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = count_blocks(url)
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = count_blocks(url)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now >= min_blocks and time.monotonic() - since >= quiet_s:
+            return now
+    raise TimeoutError(f"store {url}: {last} blocks after {timeout_s} s "
+                       f"(waited for >= {min_blocks} and no change for {quiet_s} s)")
+
+
+_TRAILER = struct.Struct("<QI8s")      # store_backends/disk.py: value len, key len, magic
+_DISK_MAGIC = b"UCMBLK\x00\x01"
+
+
+def corrupt_disk_store(root: str, mode: str) -> int:
+    """Damage every block file under ``root``; the number of files changed."""
+    import numpy as np
+
+    from ucm_connector import blockfmt
+
+    changed = 0
+    for path in block_files(root):
+        with open(path, "r+b") as f:
+            data = f.read()
+            nbytes, key_len, magic = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
+            if magic != _DISK_MAGIC or nbytes + key_len + _TRAILER.size != len(data):
+                raise RuntimeError(f"{path} is not a disk-store block file")
+            key = data[nbytes:nbytes + key_len]
+            value = bytearray(data[:nbytes])
+            header = blockfmt.parse_header(value)
+            payload = np.frombuffer(value, dtype=np.uint8)[blockfmt.HEADER_NBYTES:]
+            if mode == "valid":
+                # bf16 little-endian: the sign bit is bit 7 of every odd byte.
+                payload[1::2] ^= 0x80
+                blockfmt.pack_into(value, header.namespace_digest, header.payload_nbytes, key=key)
+                blockfmt.verify(value, header.namespace_digest, header.payload_nbytes, key=key)
+                f.seek(0)
+                f.write(value)
+            elif mode == "raw":
+                offset = blockfmt.HEADER_NBYTES + header.payload_nbytes // 2
+                f.seek(offset)
+                f.write(bytes([value[offset] ^ 0x01]))
+            else:
+                raise ValueError(f"unknown corrupt mode {mode!r}")
+        changed += 1
+    return changed
+
+
+# -- the engine ---------------------------------------------------------------
+
+def build_llm(spec: dict):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=spec["model"], dtype="bfloat16", max_model_len=4096, enforce_eager=True,
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
+        max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
+        disable_log_stats=False,
+    )
+    if spec.get("store") is not None:
+        extra = {"store": spec["store"], **spec.get("extra_config", {})}
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "UCMConnector", "kv_role": spec.get("kv_role", "kv_both"),
+            "kv_connector_extra_config": extra,
+        }
+    return LLM(**kwargs)
+
+
+def _prompt_tokens(p: dict, results: dict) -> list[int]:
+    if "tokens" in p:
+        return [int(t) for t in p["tokens"]]
+    prev = results[p["from"]]
+    i = int(p.get("index", 0))
+    return list(prev["prompts"][i]) + list(prev["outputs"][i]) + [int(t) for t in p.get("append", [])]
+
+
+def prefix_cache_counters(llm) -> dict[str, float]:
+    """vLLM's prefix-cache counters (local and external), summed over labels."""
+    from vllm.v1.metrics.reader import Counter
+
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter) and "prefix_cache" in metric.name:
+            out[metric.name] = out.get(metric.name, 0) + metric.value
+    return out
+
+
+def run_generate(llm, step: dict, results: dict, counters: dict) -> dict:
+    from vllm import SamplingParams
+
+    prompts, token_lists = [], []
+    for p in step["prompts"]:
+        tokens = _prompt_tokens(p, results)
+        token_lists.append(tokens)
+        prompt = {"prompt_token_ids": tokens}
+        if p.get("cache_salt") is not None:
+            prompt["cache_salt"] = p["cache_salt"]
+        prompts.append(prompt)
+    params = SamplingParams(temperature=0.0, max_tokens=int(step.get("max_tokens", 16)),
+                            ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    before = dict(counters)
+    after = prefix_cache_counters(llm)
+    counters.clear()
+    counters.update(after)
+    return {
+        "counters": {k: v - before.get(k, 0) for k, v in after.items()},
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "cached": [o.num_cached_tokens for o in outs],
+        "finish": [o.outputs[0].finish_reason for o in outs],
+        "prompts": token_lists,
+        "seconds": seconds,
+    }
+
+
+def main(spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    result: dict = {"ok": False, "error": None, "steps": {}}
+
+    def dump() -> None:
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, out_path)
+
+    dump()
+    try:
+        t0 = time.perf_counter()
+        llm = build_llm(spec)
+        result["startup_seconds"] = time.perf_counter() - t0
+        dump()
+        counters: dict[str, float] = {}
+        for n, step in enumerate(spec.get("steps", [])):
+            op = step["op"]
+            name = step.get("name", f"{n}:{op}")
+            if op == "generate":
+                res = run_generate(llm, step, result["steps"], counters)
+            elif op == "flush":
+                res = {"blocks": wait_quiet(spec["store"], min_blocks=int(step.get("min_blocks", 0)),
+                                            quiet_s=float(step.get("quiet_s", 0.6)))}
+            elif op == "corrupt":
+                res = {"files": corrupt_disk_store(step["root"], step["mode"])}
+            elif op == "kill":
+                os.kill(int(step["pid"]), signal.SIGKILL)
+                res = {}
+            elif op == "sleep":
+                time.sleep(float(step["seconds"]))
+                res = {}
+            else:
+                raise ValueError(f"unknown step op {op!r}")
+            res["op"] = op
+            result["steps"][name] = res
+            dump()
+        result["ok"] = True
+    except BaseException as exc:  # reported to the test, which shows stderr too
+        result["error"] = "".join(traceback.format_exception(exc))
+        traceback.print_exc()
+        dump()
+        return 3
+    finally:
+        dump()
+    # Leave the engine core to vLLM's own shutdown at exit.
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1], sys.argv[2]))

