@@ -1,0 +1,290 @@
+"""A newcomer's first five minutes with ucm-connector (what `make run` calls).
+
+    .venv/bin/python scripts/demo.py [--store URL] [--port N] [--prompt-tokens 2000]
+
+1. starts vLLM's OpenAI-compatible server with SmolLM2-135M and UCMConnector
+   on a store (default: disk:// under ./.cache/ucm-demo), prefix caching off;
+2. sends one long prompt (about 2,000 tokens of Python standard-library
+   source) twice with the `openai` client, streaming, and measures the time to
+   the first token of each: the first is computed (and its KV saved to the
+   store), the second loads the KV from the store;
+3. prints both TTFTs, the prompt tokens the store supplied (from the server's
+   Prometheus /metrics) and the store's own stats;
+4. stops the server, also on Ctrl-C or an error.
+
+The prompt starts with a random line, so every run's first request is a real
+miss even when the store already holds earlier runs' blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+BLOCK_SIZE = 128          # vLLM's CPU block size: the unit the store keeps
+METRICS = (
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:prompt_tokens_cached_total",
+    "vllm:prompt_tokens_total",
+)
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_prompt(model_dir: str, n_tokens: int) -> str:
+    """About ``n_tokens`` tokens of standard-library source, after a random line."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    stdlib = sysconfig.get_paths()["stdlib"]
+    ids: list[int] = []
+    for name in ("collections/__init__.py", "argparse.py", "dataclasses.py", "functools.py"):
+        path = os.path.join(stdlib, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                ids.extend(tok.encode(f.read()).ids)
+        if len(ids) >= n_tokens:
+            break
+    nonce = f"# demo run {random.getrandbits(64):016x}\n"
+    return nonce + tok.decode(ids[:n_tokens]) + "\n# Summary of the code above:"
+
+
+def read_metrics(base: str) -> dict[str, float]:
+    """The few counters we show, summed over their label sets."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {name: 0.0 for name in METRICS}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+)", line)
+        if m and m.group(1) in out:
+            out[m.group(1)] += float(m.group(3))
+    return out
+
+
+def store_blocks(url: str) -> int | None:
+    from store_backends import open_store
+
+    try:
+        store = open_store(url)
+    except Exception:
+        return None
+    try:
+        return store.stats().num_blocks
+    finally:
+        store.close()
+
+
+def wait_health(base: str, proc: subprocess.Popen, log_path: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    dots = 0
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with status {proc.returncode} while starting; "
+                               f"last lines of {log_path}:\n" + tail(log_path))
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    print(flush=True)
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(1)
+        dots += 1
+        print("." if dots % 10 else f" {dots} s", end="", flush=True)
+    raise RuntimeError(f"the vLLM server did not answer /health within {timeout:.0f} s; see {log_path}")
+
+
+def tail(path: str, n: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def stream_once(client, model: str, prompt: str) -> tuple[float, float, str, int | None]:
+    """(TTFT s, total s, text, prompt tokens) of one streamed completion."""
+    start = time.perf_counter()
+    ttft = None
+    text = []
+    prompt_tokens = None
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.0,
+                                       stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            text.append(chunk.choices[0].text)
+        if getattr(chunk, "usage", None):
+            prompt_tokens = chunk.usage.prompt_tokens
+    total = time.perf_counter() - start
+    return (ttft if ttft is not None else total), total, "".join(text), prompt_tokens
+
+
+def stop_server(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    say("stopping the vLLM server...")
+    try:
+        os.killpg(proc.pid, signal.SIGINT)       # its own session: the server and its engine processes
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+    # Engine processes that outlived the server (they share its session).
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_dir = os.path.join(ROOT, ".cache", "ucm-demo")
+    parser.add_argument("--store", default=f"disk://{os.path.join(default_dir, 'kv')}?capacity=4GiB",
+                        help="store URL (default: disk:// under ./.cache/ucm-demo); e.g. shm://demo?capacity=2GiB "
+                             "or redis://127.0.0.1:6379/0")
+    parser.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m"))
+    parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    opts = parser.parse_args()
+
+    if not os.path.isdir(opts.model):
+        say(f"no model at {opts.model}: build it first with `make models`")
+        return 2
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        say("the demo needs the `openai` package: .venv/bin/pip install openai")
+        return 2
+
+    os.makedirs(default_dir, exist_ok=True)
+    port = opts.port or free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(default_dir, "server.log")
+    kv_config = ('{"kv_connector":"UCMConnector","kv_role":"kv_both",'
+                 '"kv_connector_extra_config":{"store":"%s"}}' % opts.store)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", opts.model,
+           "--port", str(port), "--max-model-len", "4096", "--enforce-eager",
+           "--no-enable-prefix-caching", "--kv-transfer-config", kv_config]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+    say("ucm-connector demo")
+    say(f"  model : {os.path.relpath(opts.model, ROOT)}")
+    say(f"  store : {opts.store}")
+    say(f"  vLLM's own prefix cache is OFF, so any reuse below comes from the store.")
+    say()
+    proc = None
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        say(f"starting vLLM on port {port} (about 20 s; its log is in {os.path.relpath(log_path, ROOT)})")
+        wait_health(base, proc, log_path)
+        say("vLLM is up.")
+
+        from openai import OpenAI
+
+        client = OpenAI(base_url=base + "/v1", api_key="not-needed")
+        model = client.models.list().data[0].id
+        prompt = build_prompt(opts.model, opts.prompt_tokens)
+        blocks_before = store_blocks(opts.store)
+
+        say()
+        say("request 1: a ~%d-token prompt the store has never seen (computed, then saved)..." % opts.prompt_tokens)
+        m0 = read_metrics(base)
+        ttft1, total1, text1, n_prompt = stream_once(client, model, prompt)
+        time.sleep(0.5)
+        m1 = read_metrics(base)
+        say(f"  TTFT {ttft1:.3f} s ({n_prompt} prompt tokens)")
+
+        # The connector writes blocks in the background after the request;
+        # give it a moment so the second request finds all of them.
+        if blocks_before is not None and n_prompt:
+            expected = blocks_before + n_prompt // BLOCK_SIZE
+            deadline = time.monotonic() + 15
+            while (store_blocks(opts.store) or 0) < expected and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+        say("request 2: the same prompt again (loaded from the store)...")
+        ttft2, total2, text2, _ = stream_once(client, model, prompt)
+        time.sleep(0.5)
+        m2 = read_metrics(base)
+        say(f"  TTFT {ttft2:.3f} s")
+
+        hits1 = m1["vllm:external_prefix_cache_hits_total"] - m0["vllm:external_prefix_cache_hits_total"]
+        hits2 = m2["vllm:external_prefix_cache_hits_total"] - m1["vllm:external_prefix_cache_hits_total"]
+        queried2 = m2["vllm:external_prefix_cache_queries_total"] - m1["vllm:external_prefix_cache_queries_total"]
+        say()
+        say("results")
+        say(f"  cold TTFT (computed)        : {ttft1:.3f} s")
+        say(f"  warm TTFT (from the store)  : {ttft2:.3f} s   ({ttft2 / ttft1:.2f}x of cold, "
+            f"{ttft1 / ttft2:.1f}x faster)")
+        say(f"  tokens loaded from the store: request 1: {hits1:.0f}, request 2: {hits2:.0f} of {queried2:.0f} "
+            f"prompt tokens (vllm:external_prefix_cache_hits_total)")
+        say(f"  (the last partial {BLOCK_SIZE}-token block and at least one token are always computed)")
+        same = "yes" if text1 == text2 else "no (in bf16 a split prompt can differ after a few tokens)"
+        say(f"  same completion both times  : {same}")
+        say(f"  completion: {text2.strip()[:70]!r}")
+
+        from store_backends import open_store
+
+        store = open_store(opts.store)
+        try:
+            st = store.stats()
+        finally:
+            store.close()
+        say()
+        say(f"store stats ({st.url})")
+        size = f"{st.nbytes / 2**20:.1f} MiB" if st.nbytes is not None else "?"
+        cap = f" of {st.capacity_nbytes / 2**30:.1f} GiB" if st.capacity_nbytes else ""
+        say(f"  blocks {st.num_blocks}, {size}{cap}, puts {st.num_puts}, gets {st.num_gets}, "
+            f"hits {st.num_hits}, misses {st.num_misses}, evictions {st.num_evictions}")
+        say("  (gets/hits/puts are what this process saw; blocks and bytes are the whole store's)")
+        if opts.store.startswith("shm://"):
+            name = opts.store[len("shm://"):].split("?")[0]
+            say(f"  the shm store's server keeps running; stop it with: "
+                f"python -m store_backends.shm_server stop {name}")
+        say()
+        return 0
+    except KeyboardInterrupt:
+        say("\ninterrupted")
+        return 130
+    except Exception as exc:
+        say(f"\nthe demo failed: {exc}")
+        if proc is not None:
+            say(f"last lines of the server log ({log_path}):\n{tail(log_path)}")
+        return 1
+    finally:
+        stop_server(proc)
+        say("done.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
