@@ -85,7 +85,8 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker = UCMWorker(
                 store=self.store, namespace_digest=namespace.digest, tp_rank=tp_rank,
                 num_blocks=num_blocks, max_pending_nbytes=self.config.max_pending_save_mib << 20,
-                stats=self.stats)
+                stats=self.stats,
+                blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size)
 
     # -- worker side ---------------------------------------------------------
 

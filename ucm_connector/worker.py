@@ -31,9 +31,18 @@ from .transfer import BlockTransfer
 logger = logging.getLogger("vllm.ucm_connector.worker")
 
 
+def _touched(nbytes: int) -> np.ndarray:
+    """A buffer whose pages are already mapped: the kernel hands out fresh
+    pages lazily (np.zeros included), and faulting them in during a copy
+    runs it at a fraction of memory speed."""
+    buf = np.empty(nbytes, dtype=np.uint8)
+    buf.fill(0)
+    return buf
+
+
 class UCMWorker:
     def __init__(self, *, store: KVStore, namespace_digest: bytes, tp_rank: int, num_blocks: int,
-                 max_pending_nbytes: int, stats: StatsCollector) -> None:
+                 max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0) -> None:
         self.store = store
         self.namespace_digest = namespace_digest
         self.tp_rank = tp_rank
@@ -42,7 +51,11 @@ class UCMWorker:
         self.stats = stats
         self.transfer: BlockTransfer | None = None
         self.load_errors: set[int] = set()
+        self.blocks_per_request = blocks_per_request
         self._load_buf = np.empty(0, dtype=np.uint8)
+        # Save buffers come back from the writer and are reused, so that a
+        # save does not pay for fresh pages (page faults) on the engine's path.
+        self._free_rows: list[np.ndarray] = []
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[list[bytes], np.ndarray]] = collections.deque()
         self._pending_nbytes = 0
@@ -56,6 +69,12 @@ class UCMWorker:
         self.transfer = BlockTransfer(kv_caches, self.num_blocks)
         self.payload_nbytes = self.transfer.payload_nbytes
         self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
+        # A whole-prompt load fits without growing the buffer, and its pages
+        # are touched now rather than during the first hit (capped: a load of
+        # more blocks grows it then).
+        initial = min(self.blocks_per_request, (512 << 20) // self.block_nbytes)
+        if initial > 0:
+            self._load_buf = _touched(initial * self.block_nbytes)
         logger.info("ucm-connector: %d layers registered, %d bytes of KV per block and rank",
                     self.transfer.num_layers, self.payload_nbytes)
 
@@ -77,7 +96,7 @@ class UCMWorker:
         n = len(keys)
         need = n * self.block_nbytes
         if self._load_buf.size < need:
-            self._load_buf = np.empty(need, dtype=np.uint8)
+            self._load_buf = _touched(need)
         rows = self._load_buf[:need].reshape(n, self.block_nbytes)
         try:
             found = self.store.get_into(keys, [memoryview(row) for row in rows])
@@ -103,7 +122,9 @@ class UCMWorker:
                 self.store.delete(bad_keys)
             except StoreError as exc:
                 self._failed("store delete of bad blocks", exc)
-        if good:
+        if len(good) == n:
+            self.transfer.scatter(block_ids, rows[:, blockfmt.HEADER_NBYTES:])
+        elif good:
             self.transfer.scatter([block_ids[i] for i in good], rows[good, blockfmt.HEADER_NBYTES:])
         self.stats.add(loaded_blocks=len(good), loaded_bytes=len(good) * self.payload_nbytes,
                        load_errors=n - len(good), load_seconds=time.perf_counter() - t0)
@@ -139,7 +160,7 @@ class UCMWorker:
             self.stats.add(skipped_saves=skipped)
         if not todo:
             return
-        rows = np.empty((len(todo), self.block_nbytes), dtype=np.uint8)
+        rows = self._take_rows(len(todo))
         self.transfer.gather([block_ids[i] for i in todo], rows[:, blockfmt.HEADER_NBYTES:])
         todo_keys = [keys[i] for i in todo]
         for row, key in zip(rows, todo_keys):
@@ -148,6 +169,19 @@ class UCMWorker:
         with self._cond:
             self._queue.append((todo_keys, rows))
             self._cond.notify_all()
+
+    def _take_rows(self, n: int) -> np.ndarray:
+        with self._cond:
+            for i, buf in enumerate(self._free_rows):
+                if buf.shape[0] >= n:
+                    return self._free_rows.pop(i)[:n]
+        return _touched(n * self.block_nbytes).reshape(n, self.block_nbytes)
+
+    def _give_rows(self, rows: np.ndarray) -> None:
+        base = rows.base if rows.base is not None and rows.base.ndim == 2 else rows
+        with self._cond:
+            if len(self._free_rows) < 4:
+                self._free_rows.append(base)
 
     def _write_loop(self) -> None:
         while True:
@@ -170,6 +204,7 @@ class UCMWorker:
             n = sum(stored)
             self.stats.add(saved_blocks=n, saved_bytes=n * self.payload_nbytes,
                            skipped_saves=len(keys) - n, save_seconds=time.perf_counter() - t0)
+            self._give_rows(rows)
             with self._cond:
                 self._writing -= 1
                 self._pending_nbytes -= rows.nbytes
