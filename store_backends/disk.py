@@ -79,6 +79,7 @@ import urllib.parse
 from typing import Iterator, Sequence
 
 from .base import Buffer, KVStore, StoreError, StoreOpenError, StoreStats, StoreUnavailableError, check_batch
+from .process import pid_alive
 from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options
 
 _MAGIC = b"UCMBLK\x00\x01"
@@ -144,16 +145,6 @@ def _byte_view(obj: bytes | Buffer, writable: bool = False) -> memoryview:
             raise ValueError("store buffers must be C-contiguous")
         view = view.cast("B")
     return view
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DiskStore(KVStore):
@@ -361,7 +352,7 @@ class DiskStore(KVStore):
             old = now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_SECONDS
         except OSError:
             return
-        if pid <= 0 or old or not _pid_alive(pid):
+        if pid <= 0 or old or not pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
 

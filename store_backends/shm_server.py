@@ -64,6 +64,8 @@ import time
 import numpy as np
 import zmq
 
+from .process import pid_alive
+
 PROTOCOL_VERSION = 1
 SEGMENT_DIR = "/dev/shm"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
@@ -167,25 +169,6 @@ def server_running(paths: Paths) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def pid_alive(pid: int) -> bool:
-    """False for a process that is gone or a zombie (which can no longer write)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        state = stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3]
-        return state not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
 
 
 # ---------------------------------------------------------------- keys on the wire
