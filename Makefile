@@ -43,8 +43,9 @@ redis-server:
 test: venv vllm models redis-server
 	$(PY) -m pytest -q tests
 
-# A newcomer's first five minutes: the OpenAI server with UCMConnector on the
-# default store, a long prompt sent twice, cold and warm TTFT, hits, store stats.
+# A newcomer's first five minutes: the OpenAI server with UCMConnector on a
+# disk store under .cache/ucm-demo, a long prompt sent twice, cold and warm
+# TTFT, hit tokens, store stats.
 run: venv vllm models
 	$(PY) scripts/demo.py
 
