@@ -124,6 +124,19 @@ class KVStore(abc.ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
+def byte_view(obj: object, writable: bool = False) -> memoryview:
+    """A flat byte view of a value or buffer (bytes, bytearray, memoryview,
+    numpy array...), without copying; ``writable`` for get_into's buffers."""
+    view = obj if isinstance(obj, memoryview) else memoryview(obj)  # type: ignore[arg-type]
+    if writable and view.readonly:
+        raise TypeError(f"get_into needs writable buffers, got a read-only {type(obj).__name__}")
+    if view.ndim != 1 or view.format != "B":
+        if not view.c_contiguous:
+            raise ValueError(f"store buffers must be C-contiguous, got {type(obj).__name__}")
+        view = view.cast("B")
+    return view
+
+
 def check_batch(keys: Sequence[bytes], others: Sequence[object] | None = None, what: str = "values") -> None:
     """Reject bad batches with a message that says what is wrong."""
     for key in keys:

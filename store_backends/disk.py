@@ -78,7 +78,7 @@ import time
 import urllib.parse
 from typing import Iterator, Sequence
 
-from .base import Buffer, KVStore, StoreError, StoreOpenError, StoreStats, StoreUnavailableError, check_batch
+from .base import Buffer, KVStore, byte_view, StoreError, StoreOpenError, StoreStats, StoreUnavailableError, check_batch
 from .process import pid_alive
 from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options
 
@@ -134,17 +134,6 @@ _HIT, _MISS, _GONE, _CORRUPT = range(4)
 def block_name(key: bytes) -> str:
     """The file name of a key's block: fixed length, hex only."""
     return hashlib.blake2b(key, digest_size=16).hexdigest()
-
-
-def _byte_view(obj: bytes | Buffer, writable: bool = False) -> memoryview:
-    view = obj if isinstance(obj, memoryview) else memoryview(obj)
-    if writable and view.readonly:
-        raise TypeError(f"get_into needs writable buffers, got a read-only {type(obj).__name__}")
-    if view.ndim != 1 or view.itemsize != 1 or view.format not in ("B", "b", "c"):
-        if not view.c_contiguous:
-            raise ValueError("store buffers must be C-contiguous")
-        view = view.cast("B")
-    return view
 
 
 class DiskStore(KVStore):
@@ -685,7 +674,7 @@ class DiskStore(KVStore):
                 repeats.append((i, first_of[key]))
                 continue
             first_of[key] = i
-            view = _byte_view(value)
+            view = byte_view(value)
             path = self._path(block_name(key))
             if key in present and os.path.exists(path):
                 results[i] = True
@@ -788,7 +777,7 @@ class DiskStore(KVStore):
         corrupt = 0
         for i, (key, buffer) in enumerate(zip(keys, buffers)):
             key = bytes(key)
-            status, inode = self._read_into(key, _byte_view(buffer, writable=True))
+            status, inode = self._read_into(key, byte_view(buffer, writable=True))
             if status == _HIT:
                 results[i] = True
                 hits.append(key)

@@ -63,7 +63,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from .base import Buffer, KVStore, StoreOpenError, StoreStats, StoreUnavailableError, check_batch
+from .base import Buffer, KVStore, byte_view, StoreOpenError, StoreStats, StoreUnavailableError, check_batch
 from .urls import mask_password, parse_bool, parse_seconds, query_options
 
 DEFAULT_NAMESPACE = "ucm"
@@ -235,14 +235,10 @@ def _send(sock: socket.socket, chunks: list) -> None:
 
 
 def _byte_view(obj: object, writable: bool = False) -> memoryview | bytes:
+    # bytes go to the socket as they are.
     if isinstance(obj, bytes) and not writable:
         return obj
-    view = memoryview(obj)  # type: ignore[arg-type]
-    if writable and view.readonly:
-        raise TypeError("get_into needs writable buffers (bytearray, writable memoryview or array)")
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
+    return byte_view(obj, writable)
 
 
 def _get_connection(pool: redis_py.ConnectionPool) -> redis_py.Connection:

@@ -51,7 +51,7 @@ import numpy as np
 import zmq
 
 from . import shm_server as proto
-from .base import Buffer, KVStore, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
+from .base import Buffer, KVStore, byte_view, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
 from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options
 
 _OPTIONS = {"capacity", "chunk", "server", "idle_timeout", "lease_timeout", "timeout", "overwrite",
@@ -108,17 +108,6 @@ class _ThreadSocket(threading.local):
     sock = None
     gen = -1
     pid = -1
-
-
-def _byte_view(buf: object, writable: bool) -> memoryview:
-    view = memoryview(buf)
-    if writable and view.readonly:
-        raise TypeError(f"get_into needs writable buffers, got a read-only {type(buf).__name__}")
-    if view.format != "B" or view.ndim != 1:
-        if not view.c_contiguous:
-            raise ValueError(f"store buffers must be C-contiguous, got {type(buf).__name__}")
-        view = view.cast("B")
-    return view
 
 
 class ShmStore(KVStore):
@@ -417,7 +406,7 @@ class ShmStore(KVStore):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         if not keys:
             return []
-        srcs = [_byte_view(v, writable=False) for v in values]
+        srcs = [byte_view(v, writable=False) for v in values]
         key_len, key_frames = proto.pack_keys(keys)
         sizes = array.array("q", [s.nbytes for s in srcs])
         flags = proto.FLAG_OVERWRITE if self.overwrite else 0
@@ -501,7 +490,7 @@ class ShmStore(KVStore):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if not keys:
             return []
-        dsts = [_byte_view(b, writable=True) for b in buffers]
+        dsts = [byte_view(b, writable=True) for b in buffers]
         seg, sizes, gens, firsts, nruns, runs = self._lookup(keys)
         data = seg.data
         chunk = seg.chunk
