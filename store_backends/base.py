@@ -19,13 +19,19 @@ Rules every backend follows:
 * Reads that find nothing, or find something damaged, return a miss.
 * A store whose medium is gone raises ``StoreUnavailableError`` quickly
   (bounded timeouts), and works again once the medium is back.
+
+For operators (the ``ucm`` command) rather than the engine, a store can also
+list its keys (``iter_keys``), read the start of values without counting a
+use (``peek``), and say when a key was last used (``last_used``).  Only
+``iter_keys`` has no generic fallback: a store that cannot list raises
+``StoreError`` from it.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 
 class StoreError(Exception):
@@ -113,6 +119,33 @@ class KVStore(abc.ABC):
 
     def close(self) -> None:
         """Release connections, files and threads.  Idempotent."""
+
+    # -- inspection, for operators (``ucm store ...``); not the hot path ----
+
+    def iter_keys(self, batch: int = 1000) -> Iterator[list[bytes]]:
+        """Every stored key, in lists of at most ``batch`` keys, in no set
+        order.  A key stored for the whole walk is listed exactly once; one
+        put or deleted during it may or may not be.  Deleting listed keys
+        while walking is allowed.  Walks the whole store: for operators, not
+        for the engine.  A store that cannot list raises ``StoreError``."""
+        raise StoreError(
+            f"store '{self.url}' cannot list its blocks ({type(self).__name__} does not "
+            f"implement iter_keys); ask its maintainers, or clear it with its own tools")
+
+    def peek(self, keys: Sequence[bytes], nbytes: int | None = None) -> list[tuple[int, bytes] | None]:
+        """For each key, ``(size of the value, its first nbytes bytes)``
+        (``nbytes=None``: the whole value), or ``None`` where nothing sound
+        is stored.  Inspection: where the store can, it does not count as a
+        use (LRU order, hit counters).  This fallback reads whole values."""
+        values = self.get(keys)
+        return [None if v is None else (len(v), v if nbytes is None else v[:nbytes]) for v in values]
+
+    def last_used(self, keys: Sequence[bytes]) -> list[float | None]:
+        """When each key was last written or read (seconds since the epoch),
+        where the store keeps that; ``None`` where it does not, or for a key
+        that is not stored."""
+        check_batch(keys)
+        return [None] * len(keys)
 
     def __enter__(self) -> "KVStore":
         return self

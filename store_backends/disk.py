@@ -876,6 +876,78 @@ class DiskStore(KVStore):
             num_misses=c["misses"], num_put_failures=c["put_failures"], num_corrupt=c["corrupt"],
             extra={"path": self.root, "fsync": self.fsync, "index": os.path.join(self.root, _INDEX_FILE)})
 
+    # ------------------------------------------------------------------ inspection
+
+    def iter_keys(self, batch: int = 1000) -> Iterator[list[bytes]]:
+        """The index's keys in key order, one page per query, so that blocks
+        deleted between pages (``ucm store clear``) do not shift the walk."""
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        after = b""
+        while True:
+            with self._lock:
+                try:
+                    rows = self._db().execute(
+                        "SELECT key FROM blocks WHERE key > ? ORDER BY key LIMIT ?", (after, batch)).fetchall()
+                except sqlite3.Error as exc:
+                    raise StoreUnavailableError(f"store '{self.url}': cannot read the index: {exc}") from exc
+            keys = [bytes(row[0]) for row in rows]
+            if keys:
+                yield keys
+            if len(keys) < batch:
+                return
+            after = keys[-1]
+
+    def peek(self, keys: Sequence[bytes], nbytes: int | None = None) -> list[tuple[int, bytes] | None]:
+        """Reads the files without noting a use or counting a hit; a damaged
+        file reads as ``None`` and is left alone (``get`` removes it)."""
+        check_batch(keys)
+        with self._lock:
+            self._db()
+        out: list[tuple[int, bytes] | None] = []
+        for key in keys:
+            key = bytes(key)
+            try:
+                fd = os.open(self._path(block_name(key)), os.O_RDONLY)
+            except OSError:
+                out.append(None)
+                continue
+            try:
+                found = self._inspect(fd)
+                if found is None or found[0] != key:
+                    out.append(None)
+                    continue
+                size = found[1]
+                want = size if nbytes is None else min(nbytes, size)
+                data = os.pread(fd, want, 0) if want else b""
+                out.append((size, data) if len(data) == want else None)
+            except OSError:
+                out.append(None)
+            finally:
+                os.close(fd)
+        return out
+
+    def last_used(self, keys: Sequence[bytes]) -> list[float | None]:
+        """The index's access times: the last put or hit of any process,
+        this process's unflushed hits included."""
+        check_batch(keys)
+        keys = [bytes(k) for k in keys]
+        found: dict[bytes, int] = {}
+        with self._lock:
+            try:
+                conn = self._db()
+                for start in range(0, len(keys), 500):
+                    part = keys[start:start + 500]
+                    marks = ",".join("?" * len(part))
+                    found.update((bytes(k), t) for k, t in conn.execute(
+                        f"SELECT key, atime FROM blocks WHERE key IN ({marks})", part))
+            except sqlite3.Error as exc:
+                raise StoreUnavailableError(f"store '{self.url}': cannot read the index: {exc}") from exc
+            for key, stamp in self._pending_touch.items():
+                if key in found:
+                    found[key] = max(found[key], stamp)
+        return [None if key not in found else found[key] / 1e9 for key in keys]
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -54,8 +54,9 @@ import re
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import redis as redis_py
@@ -213,6 +214,14 @@ class _Reader:
             n -= step
 
 
+def _ignore_error(read: Callable[[], object]) -> None:
+    """Read one reply and ignore an error reply (an optional command)."""
+    try:
+        read()
+    except _ReplyError:
+        pass
+
+
 def _send(sock: socket.socket, chunks: list) -> None:
     """Write all chunks, gathering them into few system calls."""
     if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
@@ -265,6 +274,7 @@ def _sock_of(conn: redis_py.Connection) -> socket.socket:
 _Group = tuple[redis_py.ConnectionPool, "list[int] | None"]
 
 _GET = b"*2\r\n$3\r\nGET\r\n"
+_IDLETIME = b"*3\r\n$6\r\nOBJECT\r\n$8\r\nIDLETIME\r\n"
 _EXISTS = b"*2\r\n$6\r\nEXISTS\r\n"
 _DEL = b"*2\r\n$3\r\nDEL\r\n"
 _ONE = ord("1")
@@ -272,6 +282,17 @@ _ONE = ord("1")
 
 def _is_redirect(exc: _ReplyError) -> bool:
     return str(exc).startswith(("MOVED ", "ASK "))
+
+
+def _command(*args: bytes) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
+
+
+# Inspection reads are wrapped in CLIENT NO-TOUCH (Redis 7.2+) so that they do
+# not count as uses for Redis's LRU/LFU; older servers answer an error, which
+# is read and ignored (there a peek is a use).
+_NO_TOUCH_ON = _command(b"CLIENT", b"NO-TOUCH", b"ON")
+_NO_TOUCH_OFF = _command(b"CLIENT", b"NO-TOUCH", b"OFF")
 
 
 class _RedisStoreBase(KVStore):
@@ -529,6 +550,133 @@ class _RedisStoreBase(KVStore):
 
         self._run(keys, lambda positions: self._pack(_DEL, keys, positions), read)
 
+    # -- inspection (ucm store ...) --------------------------------------
+    def _scan_clients(self) -> list[redis_py.Redis]:
+        """One client per server that holds keys (each primary of a cluster)."""
+        raise NotImplementedError
+
+    def iter_keys(self, batch: int = 1000) -> Iterator[list[bytes]]:
+        """SCAN ``<namespace>:*`` on every server.  SCAN may return a key
+        twice (when the server rehashes); those repeats are dropped here."""
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        if self._closed:
+            raise StoreUnavailableError(f"store '{self.url}' is closed")
+        prefix = self._prefix
+        seen: set[bytes] = set()
+        pending: list[bytes] = []
+        try:
+            clients = self._scan_clients()
+        except (*_CONNECTION_ERRORS, redis_py.exceptions.RedisClusterException) as exc:
+            self._on_connection_error()
+            raise StoreUnavailableError(f"store '{self.url}' unavailable: {_describe(exc)}") from None
+        for client in clients:
+            cursor = 0
+            while True:
+                try:
+                    cursor, names = client.scan(cursor, match=prefix + b"*", count=batch)
+                except _CONNECTION_ERRORS as exc:
+                    self._on_connection_error()
+                    raise StoreUnavailableError(
+                        f"store '{self.url}' unavailable: {_describe(exc)} (while listing keys)") from None
+                for name in names:
+                    if name not in seen:
+                        seen.add(name)
+                        pending.append(name[len(prefix):])
+                while len(pending) >= batch:
+                    yield pending[:batch]
+                    pending = pending[batch:]
+                if int(cursor) == 0:
+                    break
+        if pending:
+            yield pending
+
+    def peek(self, keys: Sequence[bytes], nbytes: int | None = None) -> list[tuple[int, bytes] | None]:
+        """EXISTS + STRLEN + GETRANGE per key (GET for whole values), with
+        no hit counted, pipelined like the hot path."""
+        self._check(keys)
+        if not keys:
+            return []
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        prefix = self._prefix
+        out: list[tuple[int, bytes] | None] = [None] * len(keys)
+        end = b"%d" % ((nbytes or 0) - 1)
+
+        def build(positions: list[int] | None) -> list:
+            chunks = [_NO_TOUCH_ON]
+            for i in range(len(keys)) if positions is None else positions:
+                name = prefix + keys[i]
+                if nbytes is None:
+                    chunks.append(_command(b"GET", name))
+                else:
+                    chunks.append(_command(b"EXISTS", name) + _command(b"STRLEN", name))
+                    if nbytes:
+                        chunks.append(_command(b"GETRANGE", name, b"0", end))
+            chunks.append(_NO_TOUCH_OFF)
+            return [b"".join(chunks)]
+
+        def bulk(reader: _Reader) -> bytes | None:
+            n = reader.bulk_len()
+            return None if n < 0 else reader.bulk_bytes(n)
+
+        def read(reader: _Reader, positions: list[int] | None) -> list[int]:
+            redirected = []
+            _ignore_error(reader.status)
+            steps = [bulk] if nbytes is None else [_Reader.integer, _Reader.integer] + ([bulk] if nbytes else [])
+            for i in range(len(keys)) if positions is None else positions:
+                replies = []
+                moved = failed = False
+                for step in steps:
+                    try:
+                        replies.append(step(reader))
+                    except _ReplyError as exc:
+                        moved = moved or _is_redirect(exc)
+                        failed = True
+                if moved:
+                    redirected.append(i)
+                elif failed:
+                    continue
+                elif nbytes is None:
+                    if replies[0] is not None:
+                        out[i] = (len(replies[0]), replies[0])
+                elif replies[0]:
+                    data = replies[2] if nbytes else b""
+                    if data is not None:
+                        out[i] = (replies[1], data)
+            _ignore_error(reader.status)
+            return redirected
+
+        self._run(keys, build, read)
+        return out
+
+    def last_used(self, keys: Sequence[bytes]) -> list[float | None]:
+        """``now - OBJECT IDLETIME`` (whole seconds; unknown under an LFU
+        maxmemory-policy, where Redis keeps no idle time)."""
+        self._check(keys)
+        if not keys:
+            return []
+        idle: list[int | None] = [None] * len(keys)
+        now = time.time()
+
+        def read(reader: _Reader, positions: list[int] | None) -> list[int]:
+            redirected = []
+            for i in range(len(keys)) if positions is None else positions:
+                try:
+                    line = reader._head()
+                except _ReplyError as exc:
+                    if _is_redirect(exc):
+                        redirected.append(i)
+                    continue
+                if line[:1] == b":":
+                    idle[i] = int(line[1:])
+                elif line[:1] == b"$" and line != b"$-1":
+                    reader.skip(int(line[1:]) + 2)
+            return redirected
+
+        self._run(keys, lambda positions: self._pack(_IDLETIME, keys, positions), read)
+        return [None if s is None else now - s for s in idle]
+
     def _count_gets(self, num_keys: int, num_hits: int) -> None:
         with self._lock:
             self._counts["gets"] += num_keys
@@ -709,6 +857,9 @@ class RedisStore(_RedisStoreBase):
     def stats(self) -> StoreStats:
         return self._stats_from([self._client])
 
+    def _scan_clients(self) -> list[redis_py.Redis]:
+        return [self._client]
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -851,6 +1002,9 @@ class RedisClusterStore(_RedisStoreBase):
     def stats(self) -> StoreStats:
         primaries = self._cluster.get_primaries()
         return self._stats_from([self._cluster.get_redis_connection(node) for node in primaries])
+
+    def _scan_clients(self) -> list[redis_py.Redis]:
+        return [self._cluster.get_redis_connection(node) for node in self._cluster.get_primaries()]
 
     def close(self) -> None:
         if not self._closed:

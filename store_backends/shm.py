@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -459,11 +459,13 @@ class ShmStore(KVStore):
             return [st != proto.ALLOC_FAILED for st in status]
         return result
 
-    def _lookup(self, keys: Sequence[bytes]):
+    def _lookup(self, keys: Sequence[bytes], flags: int = 0):
         key_len, key_frames = proto.pack_keys(keys)
-        with self._lock:
-            late, self._late_misses = self._late_misses, 0
-        seg, _status, out = self._request(proto.OP_GET, key_frames, key_len=key_len, arg=late)
+        late = 0
+        if not flags & proto.FLAG_NO_TOUCH:
+            with self._lock:
+                late, self._late_misses = self._late_misses, 0
+        seg, _status, out = self._request(proto.OP_GET, key_frames, key_len=key_len, arg=late, flags=flags)
         sizes = array.array("q", out[0])
         gens = np.frombuffer(out[1], dtype=np.uint64)
         firsts = np.frombuffer(out[2], dtype=np.int32)
@@ -557,6 +559,59 @@ class ShmStore(KVStore):
                 torn += 1
         self._count_misses(torn, torn)
         return values
+
+    def peek(self, keys: Sequence[bytes], nbytes: int | None = None) -> list[tuple[int, bytes] | None]:
+        """Copies the first ``nbytes`` of each value with a lookup that is
+        neither an LRU use nor a counted get; a value reused during the copy
+        reads as ``None``, as in ``get``."""
+        if not keys:
+            return []
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        seg, sizes, gens, firsts, nruns, runs = self._lookup(keys, flags=proto.FLAG_NO_TOUCH)
+        data = seg.data
+        chunk = seg.chunk
+        out: list[tuple[int, bytes] | None] = [None] * len(keys)
+        pos = 0
+        for i, size in enumerate(sizes):
+            if size < 0:
+                continue
+            end = pos + 2 * nruns[i]
+            want = size if nbytes is None else min(nbytes, size)
+            parts = []
+            done = 0
+            for j in range(pos, end, 2):
+                if done >= want:
+                    break
+                n = min(runs[j + 1] * chunk, want - done)
+                off = runs[j] * chunk
+                parts.append(data[off:off + n])
+                done += n
+            out[i] = (size, b"".join(parts))
+            pos = end
+        for i, unchanged in enumerate(self._unchanged(seg, gens, firsts)):
+            if not unchanged:
+                out[i] = None
+        return out
+
+    def iter_keys(self, batch: int = 1000) -> Iterator[list[bytes]]:
+        """A snapshot of the server's index, least recently used first."""
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        try:
+            _seg, _status, out = self._request(proto.OP_KEYS, bound=False)
+        except StoreUnavailableError:
+            raise
+        except StoreError as exc:
+            if "unknown op" not in str(exc):
+                raise
+            raise StoreError(
+                f"store '{self.url}': the running shm server predates key listing; restart it to use "
+                f"this (`ucm shm stop {self.name}`; its blocks are dropped)") from None
+        key_len = int.from_bytes(out[0], "little", signed=True)
+        keys, _ = proto.unpack_keys(key_len, out[1:])
+        for start in range(0, len(keys), batch):
+            yield keys[start:start + batch]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:

@@ -87,11 +87,16 @@ OP_DELETE = 8
 OP_STATS = 9
 OP_CLEAR = 10
 OP_SHUTDOWN = 11
+OP_KEYS = 12
 
 #: Ops that do not depend on the segments a client has mapped.
-EPOCH_FREE_OPS = frozenset({OP_HELLO, OP_STATS, OP_CLEAR, OP_SHUTDOWN, OP_DELETE, OP_CONTAINS, OP_PREFIX})
+EPOCH_FREE_OPS = frozenset({OP_HELLO, OP_STATS, OP_CLEAR, OP_SHUTDOWN, OP_DELETE, OP_CONTAINS, OP_PREFIX,
+                            OP_KEYS})
 
 FLAG_OVERWRITE = 1
+#: OP_GET for inspection: neither a use for LRU nor a get in the counters.
+#: A server that predates it ignores it (flags it does not know are unused).
+FLAG_NO_TOUCH = 2
 
 ST_OK = 0
 ST_STALE = 1
@@ -384,7 +389,7 @@ class IndexServer:
             OP_HELLO: self._op_hello, OP_CONTAINS: self._op_contains, OP_PREFIX: self._op_prefix,
             OP_GET: self._op_get, OP_ALLOC: self._op_alloc, OP_COMMIT: self._op_commit,
             OP_ABORT: self._op_abort, OP_DELETE: self._op_delete, OP_STATS: self._op_stats,
-            OP_CLEAR: self._op_clear, OP_SHUTDOWN: self._op_shutdown,
+            OP_CLEAR: self._op_clear, OP_SHUTDOWN: self._op_shutdown, OP_KEYS: self._op_keys,
         }
         while not self.stopping:
             try:
@@ -533,6 +538,7 @@ class IndexServer:
     def _op_get(self, flags, key_len, arg, frames):
         keys, _ = unpack_keys(key_len, frames)
         index = self.index
+        touch = not flags & FLAG_NO_TOUCH
         sizes = array.array("q")
         gens = array.array("Q")
         firsts = array.array("i")
@@ -547,19 +553,21 @@ class IndexServer:
                 firsts.append(-1)
                 nruns.append(0)
                 continue
-            index.move_to_end(key)
+            if touch:
+                index.move_to_end(key)
             hits += 1
             sizes.append(entry.size)
             gens.append(entry.gen)
             firsts.append(entry.first)
             nruns.append(entry.nruns)
             runs.append(entry.runs)
-        # arg carries the reads the client found torn or mis-sized since its
-        # last get: they were counted as hits here but were misses.
-        late = max(0, min(arg, self.counters["hits"] + hits))
-        self.counters["gets"] += len(keys)
-        self.counters["hits"] += hits - late
-        self.counters["misses"] += len(keys) - hits + late
+        if touch:
+            # arg carries the reads the client found torn or mis-sized since
+            # its last get: they were counted as hits here but were misses.
+            late = max(0, min(arg, self.counters["hits"] + hits))
+            self.counters["gets"] += len(keys)
+            self.counters["hits"] += hits - late
+            self.counters["misses"] += len(keys) - hits + late
         return ST_OK, [sizes.tobytes(), gens.tobytes(), firsts.tobytes(), nruns.tobytes(), b"".join(runs)]
 
     def _op_alloc(self, flags, key_len, arg, frames):
@@ -644,6 +652,13 @@ class IndexServer:
             _key, entry = self.index.popitem(last=False)
             self._drop(entry)
         return ST_OK, []
+
+    def _op_keys(self, flags, key_len, arg, frames):
+        # Every committed key, least recently used first, as key_len (i64)
+        # and the key frames of pack_keys.  A snapshot: an index of a
+        # million 18-byte keys is an 18 MB reply, sent once per walk.
+        key_len, key_frames = pack_keys(list(self.index))
+        return ST_OK, [struct.pack("<q", key_len), *key_frames]
 
     def _op_shutdown(self, flags, key_len, arg, frames):
         self.stopping = True

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from .base import Buffer, KVStore, StoreError, StoreStats, StoreUnavailableError, check_batch
 
@@ -262,6 +262,70 @@ class TieredStore(KVStore):
                 failures += 1
         if failures == len(self.stores) and keys:
             raise StoreUnavailableError(f"store {self.url}: every tier failed")
+
+    # -- inspection ------------------------------------------------------------
+
+    def iter_keys(self, batch: int = 1000) -> Iterator[list[bytes]]:
+        """The union of every tier's keys, each listed once.  Unlike reads,
+        a tier that fails (or cannot list) fails the walk: a partial list
+        would make ``ucm store clear`` leave blocks behind unsaid."""
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        self.flush()
+        seen: set[bytes] = set()
+        pending: list[bytes] = []
+        for store in self.stores:
+            for keys in store.iter_keys(batch):
+                for key in keys:
+                    if key not in seen:
+                        seen.add(key)
+                        pending.append(key)
+                if len(pending) >= batch:
+                    yield pending[:batch]
+                    pending = pending[batch:]
+        while pending:
+            yield pending[:batch]
+            pending = pending[batch:]
+
+    def peek(self, keys: Sequence[bytes], nbytes: int | None = None) -> list[tuple[int, bytes] | None]:
+        """From the first tier that has each key; no promotion, no hit counted."""
+        check_batch(keys)
+        keys = list(keys)
+        out: list[tuple[int, bytes] | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        failures = 0
+        for tier, store in enumerate(self.stores):
+            if not todo:
+                break
+            try:
+                got = store.peek([keys[i] for i in todo], nbytes)
+            except StoreError as exc:
+                self._tier_failed(tier, exc)
+                failures += 1
+                continue
+            for i, found in zip(todo, got):
+                out[i] = found
+            todo = [i for i, found in zip(todo, got) if found is None]
+        if failures == len(self.stores) and keys:
+            raise StoreUnavailableError(f"store {self.url}: every tier failed")
+        return out
+
+    def last_used(self, keys: Sequence[bytes]) -> list[float | None]:
+        """The latest use any tier knows of."""
+        check_batch(keys)
+        latest: list[float | None] = [None] * len(keys)
+        failures = 0
+        for tier, store in enumerate(self.stores):
+            try:
+                times = store.last_used(keys)
+            except StoreError as exc:
+                self._tier_failed(tier, exc)
+                failures += 1
+                continue
+            latest = [a if b is None else b if a is None else max(a, b) for a, b in zip(latest, times)]
+        if failures == len(self.stores) and keys:
+            raise StoreUnavailableError(f"store {self.url}: every tier failed")
+        return latest
 
     def stats(self) -> StoreStats:
         tiers = []

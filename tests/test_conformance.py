@@ -9,12 +9,13 @@ breaks it fails here under its own name.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import numpy as np
 import pytest
 
-from store_backends import StoreStats, open_store
+from store_backends import StoreError, StoreStats, open_store
 from store_backends.tiered import TieredStore
 
 BACKENDS = ["disk", "redis", "redis-cluster", "shm", "tier", "entry-point"]
@@ -224,3 +225,79 @@ def test_close_is_idempotent(store_url):
     s.put([b"c"], [b"value"])
     s.close()
     s.close()
+
+
+# -- inspection, for operators: iter_keys, peek, last_used -------------------
+
+def lists_keys(store_url) -> bool:
+    """Every built-in store lists its keys; the test suite's third-party
+    store keeps the KVStore default, which refuses."""
+    return not (isinstance(store_url, str) and store_url.startswith("memdict://"))
+
+
+def all_keys(store, batch: int = 1000) -> list[bytes]:
+    return [key for keys in store.iter_keys(batch) for key in keys]
+
+
+def test_iter_keys_lists_every_key_once_in_batches(store, store_url):
+    keys = [b"list-%d" % i for i in range(25)] + [b"\x00\xff/..", b"*"]
+    store.put(keys, [block(i, 256) for i in range(len(keys))])
+    settle(store)
+    if not lists_keys(store_url):
+        with pytest.raises(StoreError, match="cannot list its blocks"):
+            all_keys(store)
+        return
+    batches = list(store.iter_keys(batch=7))
+    assert all(0 < len(b) <= 7 for b in batches)
+    listed = [key for b in batches for key in b]
+    assert sorted(listed) == sorted(keys)
+    assert all(type(key) is bytes for key in listed)
+
+
+def test_iter_keys_follows_deletes_and_tolerates_them_mid_walk(store, store_url):
+    if not lists_keys(store_url):
+        pytest.skip("this store keeps the default iter_keys")
+    keys = [b"walk-%d" % i for i in range(30)]
+    store.put(keys, [block(i, 128) for i in range(30)])
+    settle(store)
+    store.delete(keys[:5])
+    walked = []
+    for batch in store.iter_keys(batch=4):
+        walked += batch
+        store.delete(batch)
+    assert sorted(walked) == sorted(keys[5:])
+    assert all_keys(store) == []
+    assert store.contains(keys) == [False] * 30
+
+
+def test_peek_returns_the_size_and_leading_bytes(store):
+    values = [block(1, 5000), block(2, 10), b"x"]
+    keys = [b"peek-a", b"peek-b", b"peek-c"]
+    store.put(keys, values)
+    settle(store)
+    assert store.peek(keys + [b"peek-missing"], 64) == [
+        (5000, values[0][:64]), (10, values[1]), (1, b"x"), None]
+    assert store.peek(keys, None) == [(len(v), v) for v in values]
+    assert store.peek(keys[:1], 0) == [(5000, b"")]
+    assert store.peek([], 64) == []
+
+
+def test_peek_is_not_counted_as_a_hit(store, store_url):
+    if not lists_keys(store_url):
+        pytest.skip("the default peek reads through get, which counts")
+    store.put([b"quiet"], [block(3)])
+    settle(store)
+    before = store.stats()
+    assert store.peek([b"quiet"], 16) == [(4096, block(3)[:16])]
+    after = store.stats()
+    assert (after.num_hits, after.num_misses) == (before.num_hits, before.num_misses)
+
+
+def test_last_used_is_recent_or_unknown(store):
+    t0 = time.time()
+    store.put([b"used"], [block(4)])
+    settle(store)
+    store.get([b"used"])
+    when, missing = store.last_used([b"used", b"never-stored"])
+    assert missing is None
+    assert when is None or t0 - 2 <= when <= time.time() + 2
