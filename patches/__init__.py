@@ -1,5 +1,112 @@
 """Every monkey patch of vLLM lives in this package, and nowhere else.
 
-The sparse-attention patches arrive with the sparse-attention work; until
-then this package patches nothing.
+``apply(hooks)`` routes vLLM's model-runner step and attention calls to a
+sparse-attention method (``ucm_connector.sparse.SparseMethod``);
+``revert()`` puts every original back.  Both are idempotent.  Before touching
+anything, ``apply`` checks every patch it needs against the running vLLM:
+the release series, and the shape of each target (its signature, the
+metadata fields and ops the replacement reads).  If any check fails it
+raises ``PatchError`` listing every problem, naming the vLLM version and the
+patch, and patches nothing: never a half-patched engine.
+
+Patches, one module per vLLM area:
+
+* ``model_runner.execute_model``: the step hook (``model_runner.py``);
+* ``cpu_attention.forward`` on the CPU platform, ``flash_attention.forward``
+  on CUDA: the layer call hook (``attention.py``).
 """
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from . import _core
+from ._core import Patch, PatchError, vllm_version
+
+__all__ = ["PatchError", "apply", "revert", "applied", "active_hooks", "patches_for_platform",
+           "check", "vllm_version"]
+
+logger = logging.getLogger("vllm.ucm_connector.patches")
+_lock = threading.Lock()
+_installed: list[Patch] = []
+
+
+def patches_for_platform() -> list[Patch]:
+    """The patches this process needs: the step hook plus its platform's
+    attention backend."""
+    from vllm.platforms import current_platform
+
+    from .attention import CPU_FORWARD, FLASH_ATTN_FORWARD
+    from .model_runner import EXECUTE_MODEL
+
+    if current_platform.is_cpu():
+        return [EXECUTE_MODEL, CPU_FORWARD]
+    if current_platform.is_cuda():
+        return [EXECUTE_MODEL, FLASH_ATTN_FORWARD]
+    raise PatchError(f"sparse attention patches support the CPU and CUDA platforms; "
+                     f"this vLLM {vllm_version()} runs on {current_platform.device_name!r}")
+
+
+def check(patches: list[Patch] | None = None) -> list[str]:
+    """Every problem that would stop ``apply``; empty when it would succeed."""
+    version = vllm_version()
+    problems: list[str] = []
+    for patch in patches if patches is not None else patches_for_platform():
+        problems.extend(patch.problems(version))
+    return problems
+
+
+def apply(hooks: Any, patches: list[Patch] | None = None) -> None:
+    """Route vLLM's step and attention calls to ``hooks``.
+
+    Already applied: only the hooks are swapped.  ``patches`` defaults to
+    ``patches_for_platform()``.
+    """
+    if hooks is None:
+        raise ValueError("apply() needs the hooks to call; use revert() to go back to dense")
+    with _lock:
+        if _installed:
+            _core.hooks = hooks
+            return
+        wanted = patches if patches is not None else patches_for_platform()
+        problems = check(wanted)
+        if problems:
+            raise PatchError(
+                f"ucm-connector cannot patch vLLM {vllm_version()} for sparse attention; nothing was "
+                "patched:\n  - " + "\n  - ".join(problems)
+                + "\nremove 'sparse' from kv_connector_extra_config to run dense, or use a supported vLLM")
+        try:
+            for patch in wanted:
+                patch.install()
+                _installed.append(patch)
+        except BaseException:
+            _revert_locked()
+            raise
+        _core.hooks = hooks
+        logger.info("ucm-connector: sparse attention patches applied to vLLM %s: %s", vllm_version(),
+                    ", ".join(p.name for p in wanted))
+
+
+def _revert_locked() -> None:
+    _core.hooks = None
+    while _installed:
+        _installed.pop().uninstall()
+    from .attention import _CpuSchedule
+
+    _CpuSchedule.clear()
+
+
+def revert() -> None:
+    """Put every patched vLLM function back; dense attention from the next call."""
+    with _lock:
+        _revert_locked()
+
+
+def applied() -> bool:
+    return bool(_installed)
+
+
+def active_hooks() -> Any:
+    return _core.hooks

@@ -73,11 +73,12 @@ def _path(name: str, value: Any) -> str | None:
 def _sparse(name: str, value: Any) -> dict | None:
     if value is None:
         return None
-    if not isinstance(value, Mapping) or not isinstance(value.get("method"), str):
-        raise UCMConfigError(f"{name}: expected {{\"method\": NAME, ...options}}, got {value!r}")
-    raise UCMConfigError(
-        f"{name}: no sparse-attention method named {value['method']!r} is available in this "
-        f"version of ucm-connector; remove '{name}' to run with dense attention")
+    from .sparse import SparseConfigError, validate
+
+    try:
+        return validate(value)
+    except SparseConfigError as exc:
+        raise UCMConfigError(f"{name}: {exc}") from None
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -88,7 +89,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("config_file", "path", None,
            "A YAML file with the same keys; keys given in kv_connector_extra_config win.", _path),
     Option("sparse", "object", None,
-           "Sparse attention: {\"method\": NAME, ...options}; absent = dense attention.", _sparse),
+           "Sparse attention at decode: {\"method\": NAME, ...options}, e.g. "
+           "{\"method\": \"block_topk\", \"keep_ratio\": 0.25}; absent = dense attention.", _sparse),
     Option("tier_write_mode", "async | sync", "async",
            "With tiers: write lower tiers in the background (async) or before a save completes (sync).",
            _choice("async", "sync")),

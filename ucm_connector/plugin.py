@@ -21,3 +21,49 @@ def register() -> None:
     except ValueError:
         # Another thread of this process registered it first.
         pass
+
+
+def apply_sparse(sparse, vllm_config=None):
+    """Turn on the configured sparse-attention method in this process:
+    build it and patch vLLM's step and attention calls to reach it.
+
+    ``sparse`` is the validated ``sparse`` option (``{"method": NAME, ...}``)
+    or None (dense: nothing is patched).  Called where the worker's connector
+    is built, the one place that knows both the config and that this
+    process runs the model.  Calling it again with the same option keeps the
+    method (and its state); a different option replaces the method.
+    Returns the active method.
+    """
+    global _sparse_option
+    if not sparse:
+        return None
+    import patches
+    from ucm_connector.sparse import build_method
+
+    option = dict(sparse)
+    if patches.applied() and _sparse_option == option and patches.active_hooks() is not None:
+        return patches.active_hooks()
+    if vllm_config is not None:
+        _refuse_full_cuda_graphs(vllm_config)
+    method = build_method(option)
+    patches.apply(method)
+    _sparse_option = option
+    return method
+
+
+_sparse_option: dict | None = None
+
+
+def _refuse_full_cuda_graphs(vllm_config) -> None:
+    """A captured CUDA graph replays attention without running Python: the
+    method would neither see keys nor choose blocks on those steps."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    has_full = getattr(mode, "has_full_cudagraphs", None)
+    if callable(has_full) and has_full():
+        raise RuntimeError(
+            "ucm-connector sparse attention needs attention to run outside CUDA graphs: start vLLM "
+            "with --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (or --enforce-eager)")

@@ -1,0 +1,221 @@
+"""Patches of the attention backends' ``forward``: the layer call hook.
+
+The attention op (``unified_attention_with_output``) calls
+``layer.impl.forward(...)`` at run time, in eager mode and where the op is a
+torch.compile split point alike, so replacing ``forward`` on the backend's
+impl class reaches every layer.  When the step's keys have been written to
+the cache (vLLM does it in a separate op before ``forward`` on both
+backends), the wrapper describes the call to the method as an
+``AttentionBatch``; if the method answers with a ``BlockSelection``, the
+kernel gets a shallow copy of the metadata with that block table and those
+lengths (and what the backend derives from them) swapped in.  vLLM's own
+metadata object is never changed, so nothing needs restoring.
+
+Only plain causal decoder self-attention is handed to the method; anything
+else (sliding window, ALiBi, encoder, shared KV, non-causal, DCP) runs as
+vLLM would.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable
+
+from . import _core
+from ._core import Patch, fields_missing
+
+logger = logging.getLogger("vllm.ucm_connector.patches")
+
+_FORWARD_PARAMS = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
+
+
+def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int,
+           read_keys: Callable | None):
+    from ucm_connector.sparse.base import AttentionBatch
+
+    num_tokens = md.num_actual_tokens
+    return AttentionBatch(
+        layer_name=getattr(layer, "layer_name", str(id(layer))),
+        query=query[:num_tokens],
+        key=key[:num_tokens],
+        slot_mapping=md.slot_mapping[:num_tokens],
+        query_start_loc=md.query_start_loc,
+        seq_lens=md.seq_lens,
+        block_table=md.block_table,
+        block_size=block_size,
+        num_cache_blocks=kv_cache.shape[0],
+        num_kv_heads=impl.num_kv_heads,
+        head_size=impl.head_size,
+        scale=impl.scale,
+        read_keys=read_keys,
+    )
+
+
+def _plain_decoder(impl: Any, key: Any, md: Any) -> bool:
+    from vllm.v1.attention.backend import AttentionType
+
+    return (md is not None and key is not None
+            and impl.attn_type == AttentionType.DECODER
+            and getattr(impl, "kv_sharing_target_layer_name", None) is None
+            and impl.alibi_slopes is None
+            and impl.sliding_window in (-1, None, (-1, -1))
+            and md.causal is True)
+
+
+# -- CPU_ATTN -------------------------------------------------------------------
+
+class _CpuSchedule:
+    """The CPU kernel's work split (``scheduler_metadata``) follows seq_lens,
+    so compacted lengths need their own; layers of a step usually share the
+    same lengths, so one is kept per (metadata, lengths)."""
+
+    md: Any = None
+    lens: tuple[int, ...] | None = None
+    value: Any = None
+
+    @classmethod
+    def get(cls, impl: Any, layer: Any, query, md: Any, seq_lens) -> Any:
+        lens = tuple(seq_lens.tolist())
+        if cls.md is md and cls.lens == lens:
+            return cls.value
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        value = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.shape[0], num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+            head_dim=impl.head_size, seq_lens=seq_lens, dtype=query.dtype,
+            query_start_loc=md.query_start_loc, causal=md.causal,
+            sliding_window_size=impl.sliding_window, isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=md.dynamic_causal,
+            kv_cache_dtype=impl.kv_cache_dtype)
+        cls.md, cls.lens, cls.value = md, lens, value
+        return value
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.md = cls.lens = cls.value = None
+
+
+def _make_cpu_forward(original: Callable) -> Callable:
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        hooks = _core.hooks
+        md = attn_metadata
+        if (hooks is None or not _plain_decoder(self, key, md) or md.dynamic_causal is not None
+                or md.encoder_cache is not None):
+            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        from .cpu_pages import key_reader
+
+        block_size = kv_cache.shape[2]
+        reader = key_reader(kv_cache, layer.isa, self.head_size, self.kv_cache_dtype)
+        batch = _batch(self, layer, query, key, kv_cache, md, block_size, reader)
+        selection = hooks.before_attention(batch)
+        if selection is not None:
+            md = copy.copy(md)
+            md.block_table = selection.block_table
+            md.seq_lens = selection.seq_lens
+            md.scheduler_metadata = _CpuSchedule.get(self, layer, query, attn_metadata, selection.seq_lens)
+        try:
+            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        finally:
+            hooks.after_attention(batch, selection)
+
+    return forward
+
+
+def _check_cpu(owner: Any) -> list[str]:
+    import inspect
+
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends import cpu_attn
+
+    problems = fields_missing(cpu_attn.CPUAttentionMetadata, (
+        "num_actual_tokens", "query_start_loc", "seq_lens", "block_table", "slot_mapping",
+        "scheduler_metadata", "causal", "dynamic_causal", "encoder_cache"))
+    fn = getattr(ops, "cpu_attn_get_scheduler_metadata", None)
+    want = ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype", "query_start_loc",
+            "causal", "sliding_window_size", "isa", "enable_kv_split", "dynamic_causal", "kv_cache_dtype")
+    if fn is None:
+        problems.append("vllm._custom_ops.cpu_attn_get_scheduler_metadata is gone")
+    elif not set(want) <= set(inspect.signature(fn).parameters):
+        problems.append("vllm._custom_ops.cpu_attn_get_scheduler_metadata has parameters "
+                        f"({', '.join(inspect.signature(fn).parameters)}); expected ({', '.join(want)})")
+    if not hasattr(ops, "cpu_attn_reshape_and_cache"):
+        problems.append("vllm._custom_ops.cpu_attn_reshape_and_cache is gone")
+    if not hasattr(cpu_attn.CPUAttentionBackend, "forward_includes_kv_cache_update") or \
+            cpu_attn.CPUAttentionBackend.forward_includes_kv_cache_update:
+        problems.append("CPUAttentionBackend writes the KV cache inside forward; the patch expects "
+                        "keys in the cache before forward")
+    return problems
+
+
+CPU_FORWARD = Patch(
+    name="cpu_attention.forward",
+    module="vllm.v1.attention.backends.cpu_attn",
+    owner="CPUAttentionBackendImpl",
+    attr="forward",
+    params=_FORWARD_PARAMS,
+    make=_make_cpu_forward,
+    check_more=_check_cpu,
+)
+
+
+# -- FLASH_ATTN (CUDA) ------------------------------------------------------------
+# Written against vLLM 0.32/0.33's FlashAttentionImpl; its kv_cache is the
+# logical view [num_blocks, num_kv_heads, block_size, 2 * head_size] with
+# per-token rows, so keys read back by plain indexing.
+
+def _fa_reader(kv_cache, head_size: int, kv_cache_dtype: str):
+    if kv_cache_dtype not in ("auto", None):
+        return None
+
+    def read(block_ids):
+        return kv_cache.index_select(0, block_ids).transpose(1, 2)[..., :head_size]
+
+    return read
+
+
+def _make_fa_forward(original: Callable) -> Callable:
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        hooks = _core.hooks
+        md = attn_metadata
+        if (hooks is None or not _plain_decoder(self, key, md)
+                or getattr(self, "dcp_world_size", 1) > 1
+                or getattr(md, "mm_prefix_query_range_tensor", None) is not None
+                or getattr(md, "rswa_prefix_lens", None) is not None):
+            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        block_size = kv_cache.shape[2]
+        batch = _batch(self, layer, query, key, kv_cache, md, block_size,
+                       _fa_reader(kv_cache, self.head_size, self.kv_cache_dtype))
+        selection = hooks.before_attention(batch)
+        if selection is not None:
+            md = copy.copy(md)
+            md.block_table = selection.block_table
+            md.seq_lens = selection.seq_lens
+            # FA3's ahead-of-time split plan was made for the dense lengths.
+            md.scheduler_metadata = None
+        try:
+            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        finally:
+            hooks.after_attention(batch, selection)
+
+    return forward
+
+
+def _check_fa(owner: Any) -> list[str]:
+    from vllm.v1.attention.backends import flash_attn
+
+    return fields_missing(flash_attn.FlashAttentionMetadata, (
+        "num_actual_tokens", "query_start_loc", "seq_lens", "block_table", "slot_mapping",
+        "scheduler_metadata", "causal", "max_seq_len"))
+
+
+FLASH_ATTN_FORWARD = Patch(
+    name="flash_attention.forward",
+    module="vllm.v1.attention.backends.flash_attn",
+    owner="FlashAttentionImpl",
+    attr="forward",
+    params=_FORWARD_PARAMS,
+    make=_make_fa_forward,
+    check_more=_check_fa,
+)

@@ -1,0 +1,199 @@
+"""Runs ONE vLLM engine in this process and a list of steps from a JSON spec;
+used by tests/test_sparse_e2e.py as a subprocess.
+
+    python tests/sparse_runner.py SPEC.json OUT.json
+
+The engine core and its worker run in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a step can switch sparse attention
+on and off between generate calls, and read what the attention kernel was
+given.
+
+Spec::
+
+    {"model": DIR, "max_model_len": 4096, "prefix_caching": false,
+     "max_num_batched_tokens": 256,
+     "store": URL | null,            # UCMConnector with this store, or none
+     "extra_config": {...},          # more kv_connector_extra_config keys
+     "steps": [...]}
+
+Steps (results keyed by "name"):
+
+* ``{"op": "sparse", "config": {"method": ...} | null}``: turn the method on
+  the way the connector does (``ucm_connector.plugin.apply_sparse``), or
+  null: ``patches.revert()``.
+* ``{"op": "generate", "name": N, "prompts": [{"tokens": [...]}], "max_tokens": 8}``:
+  one greedy ``LLM.generate`` call; the result holds ``outputs`` (token ids),
+  ``patched`` (whether vLLM was patched), ``kernel`` (what the CPU attention
+  kernel was handed for decode rows: calls, blocks) and ``method`` (the
+  method's own counters for this call).
+* ``{"op": "flush"}``: wait until the connector's store stops growing.
+
+The method ``test_all_blocks`` is registered here: it hands the kernel every
+block of every decode row through the same swap path a real selection takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _register_test_methods() -> None:
+    from ucm_connector.sparse import BlockSelection, SparseMethod, register_method
+
+    class AllBlocks(SparseMethod):
+        """Selects every block: a full copy of the table and lengths."""
+
+        name = "test_all_blocks"
+
+        @classmethod
+        def from_config(cls, options):
+            return cls()
+
+        def before_attention(self, batch):
+            return BlockSelection(block_table=batch.block_table.clone(), seq_lens=batch.seq_lens.clone())
+
+    register_method(AllBlocks.name, AllBlocks)
+
+
+class KernelSpy:
+    """Counts the blocks the CPU attention kernel is handed for decode rows
+    (query length 1): ceil(seq_len / block_size) per row, per layer call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.blocks = 0
+
+    def install(self) -> None:
+        from vllm.v1.attention.backends import cpu_attn
+
+        ops = cpu_attn.ops
+        original = ops.cpu_attention_with_kv_cache
+        spy = self
+
+        def counted(*args, **kwargs):
+            qsl, seq_lens = kwargs["query_start_loc"], kwargs["seq_lens"]
+            block_size = kwargs["key_cache"].shape[2]
+            decode = (qsl[1:] - qsl[:-1]) == 1
+            if bool(decode.any()):
+                spy.calls += 1
+                spy.blocks += int(((seq_lens[decode] + block_size - 1) // block_size).sum())
+            return original(*args, **kwargs)
+
+        ops.cpu_attention_with_kv_cache = counted
+
+    def take(self) -> dict:
+        out = {"calls": self.calls, "blocks": self.blocks}
+        self.calls = self.blocks = 0
+        return out
+
+
+def build_llm(spec: dict):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=spec["model"], dtype="bfloat16", max_model_len=int(spec.get("max_model_len", 4096)),
+        enforce_eager=True, enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
+        max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
+    )
+    if spec.get("store") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "UCMConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"store": spec["store"], **spec.get("extra_config", {})},
+        }
+    return LLM(**kwargs)
+
+
+def method_stats() -> dict | None:
+    import patches
+
+    hooks = patches.active_hooks()
+    return dataclasses.asdict(hooks.stats()) if hooks is not None else None
+
+
+def main(spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    result: dict = {"ok": False, "error": None, "steps": {}}
+
+    def dump() -> None:
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, out_path)
+
+    try:
+        import patches
+        from vllm import SamplingParams
+
+        from ucm_connector.plugin import apply_sparse
+
+        _register_test_methods()
+        spy = KernelSpy()
+        spy.install()
+        llm = build_llm(spec)
+        for n, step in enumerate(spec.get("steps", [])):
+            op = step["op"]
+            name = step.get("name", f"{n}:{op}")
+            if op == "sparse":
+                if step.get("config") is None:
+                    patches.revert()
+                else:
+                    apply_sparse(step["config"])
+                res = {"patched": patches.applied()}
+            elif op == "generate":
+                prompts = [{"prompt_token_ids": [int(t) for t in p["tokens"]]} for p in step["prompts"]]
+                params = SamplingParams(temperature=0.0, max_tokens=int(step.get("max_tokens", 8)),
+                                        ignore_eos=True, detokenize=False)
+                before = method_stats()
+                spy.take()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                after = method_stats()
+                res = {
+                    "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                    "cached": [o.num_cached_tokens for o in outs],
+                    "seconds": time.perf_counter() - t0,
+                    "patched": patches.applied(),
+                    "kernel": spy.take(),
+                    "method": None if after is None else {
+                        k: v - (before or {}).get(k, 0) for k, v in after.items()},
+                }
+            elif op == "flush":
+                sys.path.insert(0, HERE)
+                from e2e_runner import wait_quiet
+
+                res = {"blocks": wait_quiet(spec["store"], min_blocks=int(step.get("min_blocks", 0)))}
+            else:
+                raise ValueError(f"unknown step op {op!r}")
+            res["op"] = op
+            result["steps"][name] = res
+            dump()
+        result["ok"] = True
+    except BaseException as exc:
+        result["error"] = "".join(traceback.format_exception(exc))
+        traceback.print_exc()
+        dump()
+        return 3
+    finally:
+        dump()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1], sys.argv[2]))
