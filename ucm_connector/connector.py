@@ -21,9 +21,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from store_backends import StoreError, open_store
 
 from .config import UCMConfig
+from .events import EventTracker, OutcomeLog, UCMKVEvents, events_enabled
 from .hashing import BlockHasher
 from .layout import namespace_for
-from .metrics import StatsCollector, UCMStats
+from .metrics import StatsCollector, UCMStats, build_prom_metrics
 from .scheduler import BlockPlan, UCMScheduler
 
 # Under "vllm." so that vLLM's log handlers and format apply.
@@ -56,6 +57,7 @@ class UCMConnector(KVConnectorBase_V1):
         self.stats = StatsCollector()
         self._scheduler: UCMScheduler | None = None
         self._worker = None
+        with_events = events_enabled(vllm_config)
         try:
             self.store = _open_store(self.config)
         except StoreError as exc:
@@ -70,7 +72,10 @@ class UCMConnector(KVConnectorBase_V1):
             self._scheduler = UCMScheduler(
                 store=self.store, hasher=BlockHasher(namespace), block_size=namespace.block_size,
                 tp_size=namespace.tp_size, load=self._load_enabled, save=self._save_enabled,
-                min_hit_blocks=self.config.min_hit_blocks, stats=self.stats)
+                min_hit_blocks=self.config.min_hit_blocks, stats=self.stats,
+                load_async=self.config.load_mode == "async",
+                events=EventTracker(enabled=with_events and self._save_enabled,
+                                    tp_size=namespace.tp_size, block_size=namespace.block_size))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -86,7 +91,8 @@ class UCMConnector(KVConnectorBase_V1):
                 store=self.store, namespace_digest=namespace.digest, tp_rank=tp_rank,
                 num_blocks=num_blocks, max_pending_nbytes=self.config.max_pending_save_mib << 20,
                 stats=self.stats,
-                blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size)
+                blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size,
+                load_mode=self.config.load_mode, events=OutcomeLog(enabled=with_events))
 
     # -- worker side ---------------------------------------------------------
 
@@ -101,7 +107,8 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return
@@ -117,7 +124,12 @@ class UCMConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        # Saves never hold a request's blocks (they are copied out in
+        # wait_for_save); only asynchronous loads finish later.
+        return None, self._worker.get_finished() if self._worker is not None else None
+
+    def get_kv_connector_kv_cache_events(self) -> UCMKVEvents | None:
+        return self._worker.events.take() if self._worker is not None else None
 
     # -- scheduler side ------------------------------------------------------
 
@@ -135,11 +147,26 @@ class UCMConnector(KVConnectorBase_V1):
         self._scheduler.request_finished(request)
         return False, None
 
+    def update_connector_output(self, connector_output) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._scheduler.on_load_errors(invalid)
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, UCMKVEvents):
+            self._scheduler.events.report(events)
+
+    def take_events(self):
+        return self._scheduler.events.take() if self._scheduler is not None else ()
+
     # -- both ----------------------------------------------------------------
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
         return UCMStats(data=dict(data)) if data is not None else UCMStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self):
         return self.stats.take()

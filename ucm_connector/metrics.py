@@ -72,3 +72,56 @@ class StatsCollector:
         """Counts since start (for tests and the demo)."""
         with self._lock:
             return dict(self._totals)
+
+
+# -- Prometheus ------------------------------------------------------------------
+
+# (counter name on /metrics without "_total", stats key, help text).  vLLM's
+# prometheus client appends "_total" to counters.
+PROM_COUNTERS = (
+    ("vllm:ucm_lookup_tokens", "lookup_tokens",
+     "Prompt tokens (whole blocks) looked up in the external store."),
+    ("vllm:ucm_hit_tokens", "hit_tokens",
+     "Prompt tokens whose KV the external store supplied instead of a prefill."),
+    ("vllm:ucm_loaded_blocks", "loaded_blocks",
+     "Blocks loaded from the external store into the KV cache (summed over TP ranks)."),
+    ("vllm:ucm_loaded_bytes", "loaded_bytes",
+     "Bytes of KV loaded from the external store (summed over TP ranks)."),
+    ("vllm:ucm_load_seconds", "load_seconds",
+     "Seconds spent loading blocks: store reads, checks and copies into the cache."),
+    ("vllm:ucm_saved_blocks", "saved_blocks",
+     "Blocks written to the external store (summed over TP ranks)."),
+    ("vllm:ucm_saved_bytes", "saved_bytes",
+     "Bytes of KV written to the external store (summed over TP ranks)."),
+    ("vllm:ucm_save_seconds", "save_seconds",
+     "Seconds spent saving blocks: copies out of the cache and store writes."),
+    ("vllm:ucm_skipped_saves", "skipped_saves",
+     "Blocks not saved: already stored, the writer's backlog was full, or the store refused them."),
+    ("vllm:ucm_load_errors", "load_errors",
+     "Blocks that failed to load (missing, corrupt or store down) and were recomputed."),
+    ("vllm:ucm_store_errors", "store_errors",
+     "Store operations that failed (the engine carried on without them)."),
+)
+
+
+def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    """The connector's own counters on vLLM's ``/metrics`` (what
+    ``UCMConnector.build_prom_metrics`` returns)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+    from vllm.v1.metrics.utils import create_metric_per_engine
+
+    class UCMPromMetrics(KVConnectorPromMetrics):
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters: dict[str, dict[int, object]] = {}
+            for name, key, doc in PROM_COUNTERS:
+                counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+                self._counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data, engine_idx: int = 0) -> None:
+            for key, per_engine in self._counters.items():
+                value = (transfer_stats_data or {}).get(key, 0)
+                if value and engine_idx in per_engine:
+                    per_engine[engine_idx].inc(value)
+
+    return UCMPromMetrics()

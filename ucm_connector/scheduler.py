@@ -18,6 +18,7 @@ from typing import Any
 
 from store_backends import KVStore, StoreError
 
+from .events import EventTracker
 from .hashing import BlockHasher, MultiModalSpan, RequestKeys, keys_for_rank
 from .metrics import StatsCollector
 
@@ -63,7 +64,8 @@ def _request_extras(request) -> dict[str, Any]:
 
 class UCMScheduler:
     def __init__(self, *, store: KVStore, hasher: BlockHasher, block_size: int, tp_size: int,
-                 load: bool, save: bool, min_hit_blocks: int, stats: StatsCollector) -> None:
+                 load: bool, save: bool, min_hit_blocks: int, stats: StatsCollector,
+                 load_async: bool = False, events: EventTracker | None = None) -> None:
         self.store = store
         self.hasher = hasher
         self.block_size = block_size
@@ -72,6 +74,8 @@ class UCMScheduler:
         self.save = save
         self.min_hit_blocks = min_hit_blocks
         self.stats = stats
+        self.load_async = load_async
+        self.events = events or EventTracker(enabled=False, tp_size=tp_size, block_size=block_size)
         self._states: dict[str, _RequestState] = {}
         self._logged_store_error = False
 
@@ -144,13 +148,16 @@ class UCMScheduler:
         if num_external <= 0:
             return 0, False
         state.num_local_tokens = num_computed_tokens
-        return num_external, False
+        # Asynchronous: the request waits (its blocks allocated) until the
+        # workers report the load finished, and other requests run meanwhile.
+        return num_external, self.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._state(request)
         if num_external_tokens <= 0 or state.keys is None:
             return
         block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = block_ids
         first = state.num_local_tokens // self.block_size
         last = (state.num_local_tokens + num_external_tokens) // self.block_size
         state.pending_load = BlockPlan(request.request_id, block_ids[first:last], state.keys.keys[first:last])
@@ -196,8 +203,23 @@ class UCMScheduler:
                 first = state.num_stored_blocks
                 if num_full > first:
                     saves.append(BlockPlan(req_id, state.block_ids[first:num_full], keys[first:num_full]))
+                    if self.events.enabled:
+                        self.events.planned(keys[first:num_full], request.all_token_ids, first,
+                                            keys[first - 1] if first else None,
+                                            _request_extras(request)["lora"])
                     state.num_stored_blocks = num_full
         return loads, saves
+
+    def on_load_errors(self, block_ids: set[int]) -> None:
+        """Blocks that failed to load were dropped from the store (the
+        workers delete bad ones) and are being recomputed: save them again
+        once they are, rather than leave a hole in the stored prefix."""
+        for state in self._states.values():
+            for i, block_id in enumerate(state.block_ids[:state.num_stored_blocks]):
+                if block_id in block_ids:
+                    state.num_stored_blocks = i
+                    state.lookup = None
+                    break
 
     def request_finished(self, request) -> None:
         self._states.pop(request.request_id, None)

@@ -110,13 +110,18 @@ class BlockTransfer:
                 out[:, lo:lo + width] = view[ids]
                 lo += width
 
-    def scatter(self, block_ids: Sequence[int], src: np.ndarray) -> None:
-        """Copy ``src[i, :payload_nbytes]`` into the pages of ``block_ids``."""
+    def scatter(self, block_ids: Sequence[int], src: np.ndarray, layers: range | None = None) -> None:
+        """Copy ``src[i, :payload_nbytes]`` into the pages of ``block_ids``;
+        with ``layers``, only those layers' pages (on CUDA every layer is
+        copied by the first call of a block set: its upload is one copy)."""
         if self._cuda:
-            self._scatter_cuda(block_ids, src)
+            if layers is None or layers.start == 0:
+                self._scatter_cuda(block_ids, src)
             return
         ids = np.asarray(block_ids, dtype=np.int64)
-        for views, lo in zip(self._np_views, self._offsets):
+        chosen = range(len(self.layers)) if layers is None else layers
+        for i in chosen:
+            views, lo = self._np_views[i], self._offsets[i]
             for view in views:
                 width = view.shape[1]
                 view[ids] = src[:, lo:lo + width]

@@ -1,9 +1,15 @@
 """Worker role: move whole blocks between the paged KV cache and the store.
 
-Loads run when the step starts (``start_load_kv``): one batched ``get_into``
-into a reusable buffer, every block's envelope and checksum checked, good
-blocks scattered into their pages, bad ones reported through
-``load_errors`` so vLLM recomputes them.  Saves are gathered when the step's
+Loads are one batched ``get_into`` into a reusable buffer, every block's
+envelope and checksum checked, good blocks scattered into their pages, bad
+ones reported through ``load_errors`` so vLLM recomputes them (and deleted
+from the store).  Three modes: ``sync`` loads before the step's forward pass
+(``start_load_kv`` returns when done); ``async`` (``load_kv_async``) hands
+the loads to a loader thread while the engine runs other requests, and
+``get_finished`` reports each request when its blocks are in; ``layer``
+(``load_layerwise``) reads on the loader thread and scatters layer by layer,
+so the forward pass of layer i (``wait_for_layer_load``) waits only for layer
+i's pages.  Saves are gathered when the step's
 forward pass is done (``wait_for_save``): blocks the store already has are
 skipped, the rest are copied out of the cache at once (so their pages can be
 reused immediately) and written by a background thread, so the engine never
@@ -22,6 +28,7 @@ import numpy as np
 from store_backends import KVStore, StoreError
 
 from . import blockfmt
+from .events import NOT_STORED, PRESENT, REMOVED, WRITTEN, OutcomeLog
 from .hashing import keys_for_rank
 from .metrics import StatsCollector
 from .scheduler import BlockPlan
@@ -40,9 +47,20 @@ def _touched(nbytes: int) -> np.ndarray:
     return buf
 
 
+class _LayerJob:
+    """One step's loads, scattered layer by layer as the forward pass goes."""
+
+    def __init__(self, plans: list[BlockPlan], layer_done: list[threading.Event]) -> None:
+        self.plans = plans
+        self.layer_done = layer_done
+        self.done = threading.Event()
+        self.bad_block_ids: set[int] = set()
+
+
 class UCMWorker:
     def __init__(self, *, store: KVStore, namespace_digest: bytes, tp_rank: int, num_blocks: int,
-                 max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0) -> None:
+                 max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0,
+                 load_mode: str = "sync", events: OutcomeLog | None = None) -> None:
         self.store = store
         self.namespace_digest = namespace_digest
         self.tp_rank = tp_rank
@@ -64,11 +82,24 @@ class UCMWorker:
         self._writer = threading.Thread(target=self._write_loop, name="ucm-save-writer", daemon=True)
         self._writer.start()
         self._logged: set[str] = set()
+        self.load_mode = load_mode
+        self.events = events or OutcomeLog(enabled=False)
+        self._layer_index: dict[str, int] = {}
+        self._layer_job: _LayerJob | None = None
+        self._load_cond = threading.Condition()
+        self._load_jobs: collections.deque = collections.deque()
+        self._finished_recving: set[str] = set()
+        self._recv_errors: set[int] = set()
+        self._loader = None
+        if load_mode != "sync":
+            self._loader = threading.Thread(target=self._load_loop, name="ucm-loader", daemon=True)
+            self._loader.start()
 
     def register_kv_caches(self, kv_caches) -> None:
         self.transfer = BlockTransfer(kv_caches, self.num_blocks)
         self.payload_nbytes = self.transfer.payload_nbytes
         self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
+        self._layer_index = {layer.name: i for i, layer in enumerate(self.transfer.layers)}
         # A whole-prompt load fits without growing the buffer, and its pages
         # are touched now rather than during the first hit (capped: a load of
         # more blocks grows it then).
@@ -87,17 +118,18 @@ class UCMWorker:
 
     # -- loads -------------------------------------------------------------
 
-    def load(self, plans: list[BlockPlan]) -> None:
-        if not plans or self.transfer is None:
-            return
-        t0 = time.perf_counter()
+    def _fetch(self, plans: list[BlockPlan], buf: np.ndarray) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
+        """Read the plans' blocks into ``buf`` (grown if needed) and check
+        them.  Returns the block ids, the rows, the indices of good rows and
+        the (possibly new) buffer; bad blocks go to the stats and are deleted
+        from the store."""
         block_ids = [b for plan in plans for b in plan.block_ids]
         keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
         n = len(keys)
         need = n * self.block_nbytes
-        if self._load_buf.size < need:
-            self._load_buf = _touched(need)
-        rows = self._load_buf[:need].reshape(n, self.block_nbytes)
+        if buf.size < need:
+            buf = _touched(need)
+        rows = buf[:need].reshape(n, self.block_nbytes)
         try:
             found = self.store.get_into(keys, [memoryview(row) for row in rows])
         except StoreError as exc:
@@ -114,45 +146,149 @@ class UCMWorker:
                 except blockfmt.BlockFormatError as exc:
                     self._failed(f"block check ({exc.reason})", exc)
                     bad_keys.append(keys[i])
-            self.load_errors.add(block_ids[i])
         if bad_keys:
             # A bad block would otherwise be found, fail and be recomputed
             # on every later hit, and never be saved again.
             try:
                 self.store.delete(bad_keys)
+                self.events.add(REMOVED, bad_keys)
             except StoreError as exc:
                 self._failed("store delete of bad blocks", exc)
-        if len(good) == n:
-            self.transfer.scatter(block_ids, rows[:, blockfmt.HEADER_NBYTES:])
-        elif good:
-            self.transfer.scatter([block_ids[i] for i in good], rows[good, blockfmt.HEADER_NBYTES:])
         self.stats.add(loaded_blocks=len(good), loaded_bytes=len(good) * self.payload_nbytes,
-                       load_errors=n - len(good), load_seconds=time.perf_counter() - t0)
+                       load_errors=n - len(good))
+        return block_ids, rows, good, buf
+
+    def _scatter(self, block_ids: list[int], rows: np.ndarray, good: list[int],
+                 layers: range | None = None) -> None:
+        payload = rows[:, blockfmt.HEADER_NBYTES:]
+        if len(good) == len(block_ids):
+            self.transfer.scatter(block_ids, payload, layers)
+        elif good:
+            self.transfer.scatter([block_ids[i] for i in good], payload[good], layers)
+
+    @staticmethod
+    def _bad_ids(block_ids: list[int], good: list[int]) -> set[int]:
+        ok = set(good)
+        return {b for i, b in enumerate(block_ids) if i not in ok}
+
+    def load(self, plans: list[BlockPlan]) -> None:
+        """Start this step's loads (``start_load_kv``): done before return
+        (sync), handed to the loader thread and reported by ``get_finished``
+        (async), or layer by layer while the forward pass runs (layer)."""
+        if not plans or self.transfer is None:
+            return
+        if self.load_mode == "async":
+            with self._load_cond:
+                self._load_jobs.extend(plans)
+                self._load_cond.notify_all()
+            return
+        if self.load_mode == "layer":
+            job = _LayerJob(plans, [threading.Event() for _ in range(self.transfer.num_layers)])
+            self._layer_job = job
+            with self._load_cond:
+                self._load_jobs.append(job)
+                self._load_cond.notify_all()
+            return
+        t0 = time.perf_counter()
+        block_ids, rows, good, self._load_buf = self._fetch(plans, self._load_buf)
+        self._scatter(block_ids, rows, good)
+        self.load_errors |= self._bad_ids(block_ids, good)
+        self.stats.add(load_seconds=time.perf_counter() - t0)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        job = self._layer_job
+        if job is not None:
+            job.layer_done[self._layer_index.get(layer_name, 0)].wait()
+
+    def _finish_layer_job(self) -> None:
+        job, self._layer_job = self._layer_job, None
+        if job is not None:
+            job.done.wait()
+            self.load_errors |= job.bad_block_ids
+
+    def _load_loop(self) -> None:
+        buf = np.empty(0, dtype=np.uint8)
+        while True:
+            with self._load_cond:
+                while not self._load_jobs and not self._closed:
+                    self._load_cond.wait()
+                if not self._load_jobs:
+                    return
+                job = self._load_jobs.popleft()
+            t0 = time.perf_counter()
+            if isinstance(job, _LayerJob):
+                buf = self._run_layer_job(job, buf)
+            else:
+                bad: set[int] = set(job.block_ids)
+                try:
+                    block_ids, rows, good, buf = self._fetch([job], buf)
+                    self._scatter(block_ids, rows, good)
+                    bad = self._bad_ids(block_ids, good)
+                except Exception as exc:  # the loader must outlive any one bad job
+                    self._failed("block load", exc)
+                with self._load_cond:
+                    self._finished_recving.add(job.req_id)
+                    self._recv_errors |= bad
+            self.stats.add(load_seconds=time.perf_counter() - t0)
+
+    def _run_layer_job(self, job: "_LayerJob", buf: np.ndarray) -> np.ndarray:
+        try:
+            block_ids, rows, good, buf = self._fetch(job.plans, buf)
+            job.bad_block_ids = self._bad_ids(block_ids, good)
+            for i in range(self.transfer.num_layers):
+                self._scatter(block_ids, rows, good, range(i, i + 1))
+                job.layer_done[i].set()
+        except Exception as exc:
+            self._failed("block load", exc)
+            job.bad_block_ids = {b for plan in job.plans for b in plan.block_ids}
+        finally:
+            for event in job.layer_done:
+                event.set()
+            job.done.set()
+        return buf
+
+    def get_finished(self) -> set[str] | None:
+        """Requests whose asynchronous loads are done; their bad blocks go
+        out with this step's load errors."""
+        if self.load_mode != "async":
+            return None
+        with self._load_cond:
+            finished, self._finished_recving = self._finished_recving, set()
+            self.load_errors |= self._recv_errors
+            self._recv_errors = set()
+        return finished or None
 
     def take_load_errors(self) -> set[int]:
+        self._finish_layer_job()
         errors, self.load_errors = self.load_errors, set()
         return errors
 
     # -- saves -------------------------------------------------------------
 
     def save(self, plans: list[BlockPlan]) -> None:
-        if not plans or self.transfer is None:
+        if not plans:
             return
         t0 = time.perf_counter()
         block_ids = [b for plan in plans for b in plan.block_ids]
         keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
+        if self.transfer is None:
+            self.events.add(NOT_STORED, keys)
+            return
         try:
             present = self.store.contains(keys)
         except StoreError as exc:
             self._failed("store lookup before save", exc)
             self.stats.add(skipped_saves=len(keys))
+            self.events.add(NOT_STORED, keys)
             return
         todo = [i for i, p in enumerate(present) if not p]
+        self.events.add(PRESENT, [key for key, p in zip(keys, present) if p])
         skipped = len(keys) - len(todo)
         nbytes = len(todo) * self.block_nbytes
         with self._cond:
             if todo and self._pending_nbytes + nbytes > self.max_pending_nbytes and self._queue:
                 skipped += len(todo)
+                self.events.add(NOT_STORED, [keys[i] for i in todo])
                 todo = []
             else:
                 self._pending_nbytes += nbytes
@@ -202,6 +338,8 @@ class UCMWorker:
                 self._failed("store save", exc)
                 stored = [False] * len(keys)
             n = sum(stored)
+            self.events.add(WRITTEN, [k for k, ok in zip(keys, stored) if ok])
+            self.events.add(NOT_STORED, [k for k, ok in zip(keys, stored) if not ok])
             self.stats.add(saved_blocks=n, saved_bytes=n * self.payload_nbytes,
                            skipped_saves=len(keys) - n, save_seconds=time.perf_counter() - t0)
             self._give_rows(rows)
@@ -220,4 +358,8 @@ class UCMWorker:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        with self._load_cond:
+            self._load_cond.notify_all()
         self._writer.join(timeout=60)
+        if self._loader is not None:
+            self._loader.join(timeout=60)
