@@ -79,8 +79,8 @@ def read_metrics(base: str) -> dict[str, float]:
         if line.startswith("#"):
             continue
         m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+)", line)
-        if m and m.group(1) in out:
-            out[m.group(1)] += float(m.group(3))
+        if m and (m.group(1) in out or m.group(1).startswith("vllm:ucm_")):
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
     return out
 
 
@@ -252,6 +252,23 @@ def main() -> int:
         same = "yes" if text1 == text2 else "no (in bf16 a split prompt can differ after a few tokens)"
         say(f"  same completion both times  : {same}")
         say(f"  completion: {text2.strip()[:70]!r}")
+
+        say()
+        say("connector counters on /metrics (vllm:ucm_*, this server's whole run; docs/metrics.md)")
+        m3 = read_metrics(base)
+        ucm = {k[len("vllm:ucm_"):].removesuffix("_total"): v for k, v in m3.items()
+               if k.startswith("vllm:ucm_")}
+        if not ucm:
+            say("  none yet (the server reports them with its next stats interval)")
+        else:
+            def rate(nbytes: float, seconds: float) -> str:
+                return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds else "-"
+            say(f"  hit tokens {ucm.get('hit_tokens', 0):.0f} of {ucm.get('lookup_tokens', 0):.0f} looked up")
+            say(f"  loaded {ucm.get('loaded_blocks', 0):.0f} blocks, {ucm.get('loaded_bytes', 0) / 2**20:.1f} MiB "
+                f"in {ucm.get('load_seconds', 0):.3f} s ({rate(ucm.get('loaded_bytes', 0), ucm.get('load_seconds', 0))})")
+            say(f"  saved  {ucm.get('saved_blocks', 0):.0f} blocks, {ucm.get('saved_bytes', 0) / 2**20:.1f} MiB "
+                f"in {ucm.get('save_seconds', 0):.3f} s, {ucm.get('skipped_saves', 0):.0f} skipped (already stored)")
+            say(f"  load errors {ucm.get('load_errors', 0):.0f}, store errors {ucm.get('store_errors', 0):.0f}")
 
         from store_backends import open_store
 

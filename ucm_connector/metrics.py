@@ -76,30 +76,31 @@ class StatsCollector:
 
 # -- Prometheus ------------------------------------------------------------------
 
-# (counter name on /metrics without "_total", stats key, help text).  vLLM's
-# prometheus client appends "_total" to counters.
+# (counter name on /metrics without "_total", stats key, unit, help text).
+# vLLM's Prometheus client appends "_total" to counters.  docs/metrics.md
+# documents each one (a test keeps the two in step).
 PROM_COUNTERS = (
-    ("vllm:ucm_lookup_tokens", "lookup_tokens",
+    ("vllm:ucm_lookup_tokens", "lookup_tokens", "tokens",
      "Prompt tokens (whole blocks) looked up in the external store."),
-    ("vllm:ucm_hit_tokens", "hit_tokens",
+    ("vllm:ucm_hit_tokens", "hit_tokens", "tokens",
      "Prompt tokens whose KV the external store supplied instead of a prefill."),
-    ("vllm:ucm_loaded_blocks", "loaded_blocks",
+    ("vllm:ucm_loaded_blocks", "loaded_blocks", "blocks",
      "Blocks loaded from the external store into the KV cache (summed over TP ranks)."),
-    ("vllm:ucm_loaded_bytes", "loaded_bytes",
+    ("vllm:ucm_loaded_bytes", "loaded_bytes", "bytes",
      "Bytes of KV loaded from the external store (summed over TP ranks)."),
-    ("vllm:ucm_load_seconds", "load_seconds",
-     "Seconds spent loading blocks: store reads, checks and copies into the cache."),
-    ("vllm:ucm_saved_blocks", "saved_blocks",
+    ("vllm:ucm_load_seconds", "load_seconds", "seconds",
+     "Time spent loading blocks: store reads, checks and copies into the cache."),
+    ("vllm:ucm_saved_blocks", "saved_blocks", "blocks",
      "Blocks written to the external store (summed over TP ranks)."),
-    ("vllm:ucm_saved_bytes", "saved_bytes",
+    ("vllm:ucm_saved_bytes", "saved_bytes", "bytes",
      "Bytes of KV written to the external store (summed over TP ranks)."),
-    ("vllm:ucm_save_seconds", "save_seconds",
-     "Seconds spent saving blocks: copies out of the cache and store writes."),
-    ("vllm:ucm_skipped_saves", "skipped_saves",
+    ("vllm:ucm_save_seconds", "save_seconds", "seconds",
+     "Time spent saving blocks: copies out of the cache and store writes."),
+    ("vllm:ucm_skipped_saves", "skipped_saves", "blocks",
      "Blocks not saved: already stored, the writer's backlog was full, or the store refused them."),
-    ("vllm:ucm_load_errors", "load_errors",
+    ("vllm:ucm_load_errors", "load_errors", "blocks",
      "Blocks that failed to load (missing, corrupt or store down) and were recomputed."),
-    ("vllm:ucm_store_errors", "store_errors",
+    ("vllm:ucm_store_errors", "store_errors", "operations",
      "Store operations that failed (the engine carried on without them)."),
 )
 
@@ -114,7 +115,7 @@ def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelva
         def __init__(self) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
             self._counters: dict[str, dict[int, object]] = {}
-            for name, key, doc in PROM_COUNTERS:
+            for name, key, _unit, doc in PROM_COUNTERS:
                 counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
                 self._counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
 
