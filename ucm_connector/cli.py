@@ -306,9 +306,10 @@ def survey(store: KVStore, progress: Progress, keep_keys: bool = False) -> Surve
 def _newer_message(shown: str, newer: dict[int, Usage]) -> str:
     count = sum(u.num_blocks for u in newer.values())
     versions = ", ".join(str(v) for v in sorted(newer))
-    return (f"store '{shown}' holds {_plural(count, 'block')} of format version {versions}, newer than this "
-            f"build reads ({blockfmt.FORMAT_VERSION}): upgrade ucm-connector (pip install -U ucm-connector) "
-            f"to read them; they were left in place")
+    blocks = _plural(count, "block")
+    return (f"store '{shown}' holds {blocks} of format version {versions}, newer than this build reads "
+            f"({blockfmt.FORMAT_VERSION}): upgrade ucm-connector (pip install -U ucm-connector) to read them; "
+            f"they were left in place")
 
 
 # -- ucm store stats ---------------------------------------------------------------
@@ -775,7 +776,11 @@ def render_configuration_reference() -> str:
         "|---|---|---|---|",
     ]
     for option in OPTIONS:
-        default = "none" if option.default is None else f"`{json.dumps(option.default)}`"
+        if option.default is not None:
+            default = f"`{json.dumps(option.default)}`"
+        else:
+            # A default computed at start-up (the store's) is described in the help.
+            default = "see meaning" if "Default:" in option.help else "none"
         lines.append(f"| `{option.name}` | {cell(option.kind)} | {cell(default)} | {cell(option.help)} |")
     lines += [
         "",
