@@ -12,8 +12,11 @@ Spec::
 
     {"model": DIR, "max_model_len": 4096, "prefix_caching": false,
      "max_num_batched_tokens": 256,
+     "num_blocks": N,                # KV cache blocks (num_gpu_blocks_override)
      "store": URL | null,            # UCMConnector with this store, or none
      "extra_config": {...},          # more kv_connector_extra_config keys
+     "sparse": {...} | null,         # a method on from the start (and in extra_config)
+     "activate": true,               # false: leave turning it on to the connector
      "steps": [...]}
 
 Steps (results keyed by "name"):
@@ -105,10 +108,14 @@ def build_llm(spec: dict):
         enforce_eager=True, enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
     )
+    if spec.get("num_blocks"):
+        kwargs["num_gpu_blocks_override"] = int(spec["num_blocks"])
     if spec.get("store") is not None:
+        extra = {"store": spec["store"], **spec.get("extra_config", {})}
+        if spec.get("sparse"):
+            extra["sparse"] = spec["sparse"]
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "UCMConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"store": spec["store"], **spec.get("extra_config", {})},
+            "kv_connector": "UCMConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
         }
     return LLM(**kwargs)
 
@@ -143,7 +150,10 @@ def main(spec_path: str, out_path: str) -> int:
         _register_test_methods()
         spy = KernelSpy()
         spy.install()
+        if spec.get("sparse") and spec.get("activate", True):
+            apply_sparse(spec["sparse"])
         llm = build_llm(spec)
+        result["patched_at_start"] = patches.applied()
         for n, step in enumerate(spec.get("steps", [])):
             op = step["op"]
             name = step.get("name", f"{n}:{op}")

