@@ -61,6 +61,16 @@ _START_TIMEOUT_S = 60.0
 _HELLO_TIMEOUT_S = 2.0
 
 
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src``, letting other threads run meanwhile: numpy drops the
+    GIL for a large copy, a memoryview assignment does not (a caller may read
+    the next blocks on one thread while it copies the last ones on another)."""
+    if src.nbytes >= 65536:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        dst[:] = src
+
 class _NoAnswer(Exception):
     pass
 
@@ -510,13 +520,13 @@ class ShmStore(KVStore):
                 continue
             if nruns[i] == 1:
                 off = runs[pos] * chunk
-                dst[:] = data[off:off + size]
+                _copy(dst, data[off:off + size])
             else:
                 done = 0
                 for j in range(pos, end, 2):
                     n = min(runs[j + 1] * chunk, size - done)
                     off = runs[j] * chunk
-                    dst[done:done + n] = data[off:off + n]
+                    _copy(dst[done:done + n], data[off:off + n])
                     done += n
             copied[i] = True
             pos = end

@@ -19,6 +19,7 @@ waits on the store's I/O.  A full backlog skips saves rather than waiting.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -36,6 +37,10 @@ from .transfer import BlockTransfer
 
 # Under "vllm." so that vLLM's log handlers and format apply.
 logger = logging.getLogger("vllm.ucm_connector.worker")
+
+
+# Loads are read in chunks of about this size, a chunk ahead of the copies.
+_CHUNK_NBYTES = 8 << 20
 
 
 def _touched(nbytes: int) -> np.ndarray:
@@ -90,6 +95,7 @@ class UCMWorker:
         self._load_jobs: collections.deque = collections.deque()
         self._finished_recving: set[str] = set()
         self._recv_errors: set[int] = set()
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ucm-reader")
         self._loader = None
         if load_mode != "sync":
             self._loader = threading.Thread(target=self._load_loop, name="ucm-loader", daemon=True)
@@ -118,11 +124,33 @@ class UCMWorker:
 
     # -- loads -------------------------------------------------------------
 
-    def _fetch(self, plans: list[BlockPlan], buf: np.ndarray) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
-        """Read the plans' blocks into ``buf`` (grown if needed) and check
-        them.  Returns the block ids, the rows, the indices of good rows and
-        the (possibly new) buffer; bad blocks go to the stats and are deleted
-        from the store."""
+    def _read(self, keys: list[bytes], rows: np.ndarray) -> list[bool]:
+        try:
+            return self.store.get_into(keys, [memoryview(row) for row in rows])
+        except StoreError as exc:
+            self._failed("store load", exc)
+            return [False] * len(keys)
+
+    def _check(self, keys: list[bytes], rows: np.ndarray, found: list[bool], offset: int,
+               good: list[int], bad_keys: list[bytes]) -> None:
+        for i, ok in enumerate(found):
+            if ok:
+                try:
+                    blockfmt.verify(rows[i], self.namespace_digest, self.payload_nbytes, key=keys[i])
+                    good.append(offset + i)
+                except blockfmt.BlockFormatError as exc:
+                    self._failed(f"block check ({exc.reason})", exc)
+                    bad_keys.append(keys[i])
+
+    def _fetch(self, plans: list[BlockPlan], buf: np.ndarray, scatter: bool = True
+               ) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
+        """Read the plans' blocks into ``buf`` (grown if needed), check them
+        and (``scatter``) copy the good ones into their pages.  Returns the
+        block ids, the rows, the indices of good rows and the (possibly new)
+        buffer; bad blocks go to the stats and are deleted from the store.
+
+        Reads run a chunk ahead on the reader thread, so the store's copy of
+        chunk k+1 overlaps the checks and page copies of chunk k."""
         block_ids = [b for plan in plans for b in plan.block_ids]
         keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
         n = len(keys)
@@ -130,22 +158,20 @@ class UCMWorker:
         if buf.size < need:
             buf = _touched(need)
         rows = buf[:need].reshape(n, self.block_nbytes)
-        try:
-            found = self.store.get_into(keys, [memoryview(row) for row in rows])
-        except StoreError as exc:
-            self._failed("store load", exc)
-            found = [False] * n
         good: list[int] = []
         bad_keys: list[bytes] = []
-        for i, ok in enumerate(found):
-            if ok:
-                try:
-                    blockfmt.verify(rows[i], self.namespace_digest, self.payload_nbytes, key=keys[i])
-                    good.append(i)
-                    continue
-                except blockfmt.BlockFormatError as exc:
-                    self._failed(f"block check ({exc.reason})", exc)
-                    bad_keys.append(keys[i])
+        step = max(1, _CHUNK_NBYTES // self.block_nbytes)
+        chunks = [(i, min(i + step, n)) for i in range(0, n, step)]
+        pending = self._reader.submit(self._read, keys[:chunks[0][1]], rows[:chunks[0][1]]) if len(chunks) > 1 else None
+        for c, (lo, hi) in enumerate(chunks):
+            found = pending.result() if pending is not None else self._read(keys[lo:hi], rows[lo:hi])
+            if c + 1 < len(chunks):
+                nlo, nhi = chunks[c + 1]
+                pending = self._reader.submit(self._read, keys[nlo:nhi], rows[nlo:nhi])
+            first_good = len(good)
+            self._check(keys[lo:hi], rows[lo:hi], found, lo, good, bad_keys)
+            if scatter:
+                self._scatter(block_ids, rows, good[first_good:], subset=True)
         if bad_keys:
             # A bad block would otherwise be found, fail and be recomputed
             # on every later hit, and never be saved again.
@@ -159,11 +185,17 @@ class UCMWorker:
         return block_ids, rows, good, buf
 
     def _scatter(self, block_ids: list[int], rows: np.ndarray, good: list[int],
-                 layers: range | None = None) -> None:
+                 layers: range | None = None, subset: bool = False) -> None:
+        """Copy the rows ``good`` into the pages of their blocks (all rows
+        when every one is good, unless ``subset``)."""
         payload = rows[:, blockfmt.HEADER_NBYTES:]
-        if len(good) == len(block_ids):
+        if not good:
+            return
+        if not subset and len(good) == len(block_ids):
             self.transfer.scatter(block_ids, payload, layers)
-        elif good:
+        elif good == list(range(good[0], good[-1] + 1)):
+            self.transfer.scatter(block_ids[good[0]:good[-1] + 1], payload[good[0]:good[-1] + 1], layers)
+        else:
             self.transfer.scatter([block_ids[i] for i in good], payload[good], layers)
 
     @staticmethod
@@ -191,7 +223,6 @@ class UCMWorker:
             return
         t0 = time.perf_counter()
         block_ids, rows, good, self._load_buf = self._fetch(plans, self._load_buf)
-        self._scatter(block_ids, rows, good)
         self.load_errors |= self._bad_ids(block_ids, good)
         self.stats.add(load_seconds=time.perf_counter() - t0)
 
@@ -222,7 +253,6 @@ class UCMWorker:
                 bad: set[int] = set(job.block_ids)
                 try:
                     block_ids, rows, good, buf = self._fetch([job], buf)
-                    self._scatter(block_ids, rows, good)
                     bad = self._bad_ids(block_ids, good)
                 except Exception as exc:  # the loader must outlive any one bad job
                     self._failed("block load", exc)
@@ -233,7 +263,7 @@ class UCMWorker:
 
     def _run_layer_job(self, job: "_LayerJob", buf: np.ndarray) -> np.ndarray:
         try:
-            block_ids, rows, good, buf = self._fetch(job.plans, buf)
+            block_ids, rows, good, buf = self._fetch(job.plans, buf, scatter=False)
             job.bad_block_ids = self._bad_ids(block_ids, good)
             for i in range(self.transfer.num_layers):
                 self._scatter(block_ids, rows, good, range(i, i + 1))
@@ -363,3 +393,4 @@ class UCMWorker:
         self._writer.join(timeout=60)
         if self._loader is not None:
             self._loader.join(timeout=60)
+        self._reader.shutdown(wait=True)
