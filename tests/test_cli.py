@@ -242,6 +242,21 @@ def test_verify_finds_a_byte_flipped_in_a_disk_file(tmp_path):
     assert present(url, keys) == [True, False, True, True]
 
 
+def test_verify_reports_a_truncated_disk_file_as_unreadable_and_repair_drops_it(tmp_path):
+    from store_backends.disk import block_name
+
+    url = f"disk://{tmp_path}/store"
+    keys, values = blocks(NS_A, 3, 2048, seed=11)
+    put(url, keys, values)
+    path = tmp_path / "store" / block_name(keys[0])[:2] / block_name(keys[0])
+    path.write_bytes(path.read_bytes()[:1000])
+    found = ucm("store", "verify", url)
+    assert found.returncode == 1
+    assert keys[0].hex() in found.stdout and "unreadable" in found.stdout
+    assert ucm("store", "verify", url, "--repair").returncode == 0
+    assert listed(url) == set(keys[1:])
+
+
 def test_verify_reports_a_block_stored_under_another_key(tmp_path):
     url = f"disk://{tmp_path}/store"
     keys, values = blocks(NS_A, 2, 256, seed=5)

@@ -37,8 +37,7 @@ from store_backends.urls import mask_password, parse_size
 
 from . import __version__, blockfmt
 from .config import OPTIONS, UCMConfig, UCMConfigError
-from .manifest import ManifestError, describe, digest_of, is_manifest_key, manifest_key, parse_manifest, \
-    read_manifests
+from .manifest import ManifestError, describe, digest_of, is_manifest_key, parse_manifest, read_manifests
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -434,7 +433,14 @@ def cmd_store_verify(args: argparse.Namespace) -> int:
             for part in _chunks(keys, args.batch):
                 problems: list[tuple[bytes, str, bytes | None]] = []
                 unread: list[bytes] = []
-                for key, got in zip(part, store.peek(part, None)):
+                values = store.peek(part, None)
+                missed = [i for i, got in enumerate(values) if got is None]
+                if missed:
+                    # Once more: a value evicted or replaced during the read
+                    # (shm) reads as a miss, not as damage.
+                    for i, got in zip(missed, store.peek([part[i] for i in missed], None)):
+                        values[i] = got
+                for key, got in zip(part, values):
                     if got is None:
                         unread.append(key)
                         continue
@@ -464,7 +470,7 @@ def cmd_store_verify(args: argparse.Namespace) -> int:
                         progress.close()
                         print(f"bad  {key.hex()}  ns {digest.hex()[:16] if digest else '-':<16}  {why}"
                               f"{'  (removed)' if args.repair else ''}")
-            progress.add(len(keys))
+                progress.add(len(part))
         progress.close()
     summary = (f"checked {_plural(sum(counts[k] for k in ('good', 'manifest', 'bad', 'newer')), 'key')} of "
                f"store {opened.shown}: {counts['good']} good, {_plural(counts['manifest'], 'manifest')}, "
@@ -580,7 +586,7 @@ def cmd_store_clear(args: argparse.Namespace) -> int:
             question = f"Delete these {_plural(num_blocks, 'block')} and their manifests?"
             what = _plural(num_blocks, "block") + f" of {_plural(len(digests), 'namespace')}"
         if not _confirm(question, args.yes):
-            _error(f"not confirmed; nothing was deleted (--yes deletes without asking)")
+            _error("not confirmed; nothing was deleted (--yes deletes without asking)")
             return EXIT_PROBLEMS
         _delete(store, keys, _progress(args, "deleting"))
     print(f"deleted {what} from store {opened.shown}")
