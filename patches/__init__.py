@@ -94,8 +94,10 @@ def _revert_locked() -> None:
     while _installed:
         _installed.pop().uninstall()
     from .attention import _CpuSchedule
+    from .cpu_pages import forget
 
     _CpuSchedule.clear()
+    forget()
 
 
 def revert() -> None:

@@ -22,6 +22,8 @@ import copy
 import logging
 from typing import Any, Callable
 
+from ucm_connector.sparse.base import AttentionBatch, KeyPages
+
 from . import _core
 from ._core import Patch, fields_missing
 
@@ -30,10 +32,7 @@ logger = logging.getLogger("vllm.ucm_connector.patches")
 _FORWARD_PARAMS = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
 
 
-def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int,
-           read_keys: Callable | None):
-    from ucm_connector.sparse.base import AttentionBatch
-
+def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int, pages: Any):
     num_tokens = md.num_actual_tokens
     return AttentionBatch(
         layer_name=getattr(layer, "layer_name", str(id(layer))),
@@ -48,7 +47,7 @@ def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int
         num_kv_heads=impl.num_kv_heads,
         head_size=impl.head_size,
         scale=impl.scale,
-        read_keys=read_keys,
+        pages=pages,
     )
 
 
@@ -104,11 +103,10 @@ def _make_cpu_forward(original: Callable) -> Callable:
         if (hooks is None or not _plain_decoder(self, key, md) or md.dynamic_causal is not None
                 or md.encoder_cache is not None):
             return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
-        from .cpu_pages import key_reader
+        from .cpu_pages import key_pages
 
-        block_size = kv_cache.shape[2]
-        reader = key_reader(kv_cache, layer.isa, self.head_size, self.kv_cache_dtype)
-        batch = _batch(self, layer, query, key, kv_cache, md, block_size, reader)
+        pages = key_pages(kv_cache, layer.isa, self.head_size, self.kv_cache_dtype)
+        batch = _batch(self, layer, query, key, kv_cache, md, kv_cache.shape[2], pages)
         selection = hooks.before_attention(batch)
         if selection is not None:
             md = copy.copy(md)
@@ -165,14 +163,21 @@ CPU_FORWARD = Patch(
 # logical view [num_blocks, num_kv_heads, block_size, 2 * head_size] with
 # per-token rows, so keys read back by plain indexing.
 
-def _fa_reader(kv_cache, head_size: int, kv_cache_dtype: str):
-    if kv_cache_dtype not in ("auto", None):
-        return None
+class FlashKeyPages(KeyPages):
+    """``KeyPages`` over FlashAttention's per-token page rows."""
 
-    def read(block_ids):
-        return kv_cache.index_select(0, block_ids).transpose(1, 2)[..., :head_size]
+    def __init__(self, kv_cache, head_size: int) -> None:
+        self._kv = kv_cache
+        self.head_size = head_size
 
-    return read
+    def read(self, block_ids):
+        return self._kv.index_select(0, block_ids).transpose(1, 2)[..., :self.head_size]
+
+    def probe(self, block_ids):
+        import torch
+
+        tokens = torch.arange(self._kv.shape[2], device=self._kv.device)
+        return self._kv[:, 0].index_select(0, block_ids)[:, tokens, tokens % self.head_size]
 
 
 def _make_fa_forward(original: Callable) -> Callable:
@@ -184,9 +189,8 @@ def _make_fa_forward(original: Callable) -> Callable:
                 or getattr(md, "mm_prefix_query_range_tensor", None) is not None
                 or getattr(md, "rswa_prefix_lens", None) is not None):
             return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
-        block_size = kv_cache.shape[2]
-        batch = _batch(self, layer, query, key, kv_cache, md, block_size,
-                       _fa_reader(kv_cache, self.head_size, self.kv_cache_dtype))
+        pages = FlashKeyPages(kv_cache, self.head_size) if self.kv_cache_dtype == "auto" else None
+        batch = _batch(self, layer, query, key, kv_cache, md, kv_cache.shape[2], pages)
         selection = hooks.before_attention(batch)
         if selection is not None:
             md = copy.copy(md)

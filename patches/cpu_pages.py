@@ -14,9 +14,9 @@ quantized fp8 cache) yields no reader, and the method keeps such blocks.
 from __future__ import annotations
 
 import functools
-from typing import Callable
-
 import torch
+
+from ucm_connector.sparse.base import KeyPages
 
 _DIGIT = 128     # integers below 128 are exact in bf16 / fp16 / fp32
 
@@ -54,21 +54,56 @@ def key_permutation(isa: str, block_size: int, head_size: int, dtype: torch.dtyp
     return perm
 
 
-def key_reader(kv_cache: torch.Tensor, isa: str, head_size: int,
-               kv_cache_dtype: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A function block_ids -> keys ``[n, block_size, num_kv_heads, head_size]``
-    for a CPU cache viewed as ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``."""
-    if kv_cache_dtype not in ("auto", None) or kv_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return None
-    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-    perm = key_permutation(isa, block_size, head_size, kv_cache.dtype)
-    if perm is None:
-        return None
-    n = block_size * head_size
+class CpuKeyPages(KeyPages):
+    """``KeyPages`` over a CPU cache viewed as
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (each page's
+    first half holds the packed keys)."""
 
-    def read(block_ids: torch.Tensor) -> torch.Tensor:
-        pages = kv_cache.index_select(0, block_ids).view(block_ids.numel(), num_kv_heads, -1)[:, :, :n]
-        keys = pages.index_select(2, perm).view(block_ids.numel(), num_kv_heads, block_size, head_size)
-        return keys.transpose(1, 2)
+    def __init__(self, kv_cache: torch.Tensor, perm: torch.Tensor, head_size: int) -> None:
+        num_blocks, self.num_kv_heads, self.block_size, _ = kv_cache.shape
+        self.head_size = head_size
+        n = self.block_size * head_size
+        self._keys = kv_cache.view(num_blocks, self.num_kv_heads, 2 * n)[:, :, :n]
+        self._perm = perm
+        tokens = torch.arange(self.block_size)
+        self._probe_at = perm[tokens * head_size + tokens % head_size]
+        # vec / vec16 store each page's keys as [head_size, block_size].
+        transposed = (torch.arange(head_size).unsqueeze(0) * self.block_size + tokens.unsqueeze(1)).flatten()
+        self._transposed = torch.equal(perm, transposed)
 
-    return read
+    def read(self, block_ids: torch.Tensor) -> torch.Tensor:
+        pages = self._keys.index_select(0, block_ids).index_select(2, self._perm)
+        return pages.view(-1, self.num_kv_heads, self.block_size, self.head_size).transpose(1, 2)
+
+    def minmax(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._transposed:
+            pages = self._keys.index_select(0, block_ids).view(-1, self.num_kv_heads, self.head_size,
+                                                               self.block_size)
+            return torch.aminmax(pages, dim=-1)
+        return torch.aminmax(self.read(block_ids), dim=1)
+
+    def probe(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return self._keys[:, 0].index_select(0, block_ids).index_select(1, self._probe_at)
+
+
+_by_cache: dict[tuple, CpuKeyPages | None] = {}
+
+
+def key_pages(kv_cache: torch.Tensor, isa: str, head_size: int, kv_cache_dtype: str) -> CpuKeyPages | None:
+    """Page access for a CPU cache (one object per cache tensor), or None
+    where the packing cannot be read back exactly (a quantized cache)."""
+    key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype, isa, head_size, kv_cache_dtype)
+    if key in _by_cache:
+        return _by_cache[key]
+    pages = None
+    if kv_cache_dtype in ("auto", None) and kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        perm = key_permutation(isa, kv_cache.shape[2], head_size, kv_cache.dtype)
+        if perm is not None:
+            pages = CpuKeyPages(kv_cache, perm, head_size)
+    _by_cache[key] = pages
+    return pages
+
+
+def forget() -> None:
+    """Drop the page views (they keep the caches alive)."""
+    _by_cache.clear()

@@ -13,7 +13,7 @@ import torch
 
 import patches
 from patches import PatchError
-from patches.cpu_pages import key_reader
+from patches.cpu_pages import key_pages
 from ucm_connector.config import UCMConfig, UCMConfigError
 from ucm_connector.sparse import (
     AttentionBatch,
@@ -27,7 +27,7 @@ from ucm_connector.sparse import (
     validate,
 )
 from ucm_connector.sparse.block_topk import BlockTopK
-from ucm_connector.sparse.summaries import BlockEpochs, LayerSummaries
+from ucm_connector.sparse.summaries import BlockEpochs, LayerSummaries, WritePlan
 
 BLOCK = 128
 HEADS, KV_HEADS, HEAD = 6, 2, 64
@@ -64,26 +64,32 @@ def test_keys_read_back_from_pages_equal_the_keys_written(isa):
     cache = Cache(isa=isa)
     keys = torch.randn(2 * BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
     cache.write(keys, torch.randn_like(keys), _slots([7, 3], 0, 2 * BLOCK))
-    read = key_reader(cache.kv, isa, HEAD, "auto")
-    got = read(torch.tensor([7, 3]))
-    assert torch.equal(got.reshape(2 * BLOCK, KV_HEADS, HEAD), keys)
+    pages = key_pages(cache.kv, isa, HEAD, "auto")
+    blocks = torch.tensor([7, 3])
+    assert torch.equal(pages.read(blocks).reshape(2 * BLOCK, KV_HEADS, HEAD), keys)
+    kmin, kmax = pages.minmax(blocks)
+    assert torch.equal(kmin, keys.view(2, BLOCK, KV_HEADS, HEAD).amin(1))
+    assert torch.equal(kmax, keys.view(2, BLOCK, KV_HEADS, HEAD).amax(1))
+    tokens = torch.arange(BLOCK)
+    want = keys.view(2, BLOCK, KV_HEADS, HEAD)[:, tokens, 0, tokens % HEAD]
+    assert torch.equal(pages.probe(blocks), want)
 
 
 def test_a_quantized_cache_has_no_page_reader():
-    assert key_reader(Cache().kv, "vec", HEAD, "fp8") is None
+    assert key_pages(Cache().kv, "vec", HEAD, "fp8") is None
 
 
 # -- summaries ----------------------------------------------------------------------
 
 def test_summaries_follow_written_keys_and_restart_at_offset_zero():
     epochs = BlockEpochs().get(8, torch.device("cpu"))
-    s = LayerSummaries(8, KV_HEADS, HEAD, torch.bfloat16, torch.device("cpu"))
+    s = LayerSummaries(8, BLOCK, KV_HEADS, HEAD, torch.bfloat16, torch.device("cpu"))
     old = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16) * 10
-    s.add_keys(old, torch.arange(BLOCK) + 5 * BLOCK, BLOCK, epochs)          # block 5, another request
+    s.add_keys(old, WritePlan(torch.arange(BLOCK) + 5 * BLOCK, BLOCK), epochs)          # block 5, another request
     keys = torch.randn(200, KV_HEADS, HEAD).to(torch.bfloat16)
     slots = torch.tensor(_slots([5, 2], 0, 200))
-    s.add_keys(keys[:150], slots[:150], BLOCK, epochs)                        # a prefill chunk
-    s.add_keys(keys[150:], slots[150:], BLOCK, epochs)                        # the rest
+    s.add_keys(keys[:150], WritePlan(slots[:150], BLOCK), epochs)                        # a prefill chunk
+    s.add_keys(keys[150:], WritePlan(slots[150:], BLOCK), epochs)                        # the rest
     assert torch.equal(s.kmin[5], keys[:BLOCK].amin(0)) and torch.equal(s.kmax[5], keys[:BLOCK].amax(0))
     assert torch.equal(s.kmin[2], keys[BLOCK:].amin(0)) and torch.equal(s.kmax[2], keys[BLOCK:].amax(0))
     assert not s.stale(torch.tensor([5, 2]), epochs).any()
@@ -93,18 +99,36 @@ def test_blocks_filled_behind_the_forward_are_stale_until_rebuilt_from_their_pag
     cache = Cache()
     counter = BlockEpochs()
     epochs = counter.get(24, torch.device("cpu"))
-    s = LayerSummaries(24, KV_HEADS, HEAD, torch.bfloat16, torch.device("cpu"))
+    s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.bfloat16, torch.device("cpu"))
     first = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
-    s.add_keys(first, torch.arange(BLOCK) + 4 * BLOCK, BLOCK, epochs)
+    s.add_keys(first, WritePlan(torch.arange(BLOCK) + 4 * BLOCK, BLOCK), epochs)
     # A connector load puts other content in block 4 without a forward.
     loaded = torch.randn(100, KV_HEADS, HEAD).to(torch.bfloat16)
     cache.write(loaded, loaded, _slots([4], 0, 100))
     counter.bump([4])
     epochs = counter.get(24, torch.device("cpu"))
     assert s.stale(torch.tensor([4]), epochs).all()
-    s.rebuild(torch.tensor([4]), torch.tensor([100]), epochs, key_reader(cache.kv, "vec", HEAD, "auto"))
+    pages = key_pages(cache.kv, "vec", HEAD, "auto")
+    assert s.refresh(torch.tensor([4]), torch.tensor([100]), epochs, pages) == (0, 1)
     assert torch.equal(s.kmin[4], loaded.amin(0)) and torch.equal(s.kmax[4], loaded.amax(0))
     assert not s.stale(torch.tensor([4]), epochs).any()
+
+
+def test_a_block_refilled_with_the_same_keys_keeps_its_summary():
+    cache = Cache()
+    counter = BlockEpochs()
+    epochs = counter.get(24, torch.device("cpu"))
+    s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"))
+    keys = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
+    cache.write(keys, keys, _slots([9], 0, BLOCK))
+    s.add_keys(keys, WritePlan(torch.tensor(_slots([9], 0, BLOCK)), BLOCK), epochs)
+    counter.bump([9])                   # a prefix-cache hit on block 9: same content
+    epochs = counter.get(24, torch.device("cpu"))
+    assert s.stale(torch.tensor([9]), epochs).all()
+    pages = key_pages(cache.kv, "vec", HEAD, "auto")
+    assert s.refresh(torch.tensor([9]), torch.tensor([BLOCK]), epochs, pages) == (1, 0)
+    assert not s.stale(torch.tensor([9]), epochs).any()
+    assert torch.equal(s.kmax[9], keys.float().amax(0))
 
 
 # -- block_topk against the kernel ---------------------------------------------------
@@ -190,7 +214,7 @@ class Step:
             layer_name="layer.0", query=self.query, key=self.step_keys, slot_mapping=self.step_slots,
             query_start_loc=self.qsl, seq_lens=self.seq_lens, block_table=self.table, block_size=BLOCK,
             num_cache_blocks=24, num_kv_heads=KV_HEADS, head_size=HEAD, scale=self.scale,
-            read_keys=key_reader(self.cache.kv, "vec", HEAD, "auto"))
+            pages=key_pages(self.cache.kv, "vec", HEAD, "auto"))
 
 
 def test_block_topk_reads_sinks_the_hot_block_and_the_local_window_in_order():
@@ -260,7 +284,7 @@ def test_without_a_page_reader_unsummarized_blocks_are_read_not_guessed():
     step = Step(method)
     fresh = BlockTopK.from_config({"budget_blocks": 3})
     batch = step.batch()
-    batch.read_keys = None
+    batch.pages = None
     sel = fresh.before_attention(batch)
     assert sel is None or sel.seq_lens[0].item() == step.lens[0]
     assert fresh.stats().blocks_kept_unsummarized > 0

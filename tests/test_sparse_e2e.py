@@ -165,5 +165,7 @@ def test_blocks_loaded_from_the_store_get_summaries_like_computed_ones(loads_run
     # their pages (11 blocks x 4 layers), not left as Q's.
     assert over_q["outputs"] == over_p["outputs"]
     assert over_q["method"]["blocks_summarized_from_pages"] == 11 * 4
+    assert (over_p["method"]["blocks_probed_unchanged"]
+            + over_p["method"]["blocks_summarized_from_pages"]) == 11 * 4
     assert over_q["method"]["sparse_rows"] > 0
     assert over_q["kernel"]["blocks"] < over_q["method"]["blocks_dense"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 
 class SparseConfigError(ValueError):
@@ -79,11 +79,31 @@ class AttentionBatch:
     num_kv_heads: int
     head_size: int
     scale: float
-    # Reads whole blocks' keys back from the paged cache as
-    # [len(block_ids), block_size, num_kv_heads, head_size]; None when the
-    # backend's page packing cannot be read (the method must then keep those
-    # blocks rather than guess).
-    read_keys: Callable[[Any], Any] | None = None
+    # The keys in the paged cache, for blocks the method did not see being
+    # written; None when the backend's page packing cannot be read (the
+    # method must then read those blocks rather than guess about them).
+    pages: "KeyPages | None" = None
+
+
+class KeyPages(abc.ABC):
+    """Read access to the keys of a layer's paged cache, whatever the
+    backend's packing.  ``block_ids`` is a 1-D integer tensor."""
+
+    @abc.abstractmethod
+    def read(self, block_ids: Any) -> Any:
+        """Keys of whole blocks: ``[n, block_size, num_kv_heads, head_size]``."""
+
+    def minmax(self, block_ids: Any) -> tuple[Any, Any]:
+        """Elementwise min and max over all tokens of full blocks:
+        two ``[n, num_kv_heads, head_size]``."""
+        keys = self.read(block_ids)
+        return keys.amin(dim=1), keys.amax(dim=1)
+
+    @abc.abstractmethod
+    def probe(self, block_ids: Any) -> Any:
+        """One key element per token, ``[n, block_size]``: token t's element
+        at kv head 0, dim ``t % head_size``.  Cheap; tells whether a block
+        still holds the keys a summary was made from."""
 
 
 @dataclasses.dataclass
@@ -111,6 +131,7 @@ class SparseStats:
     blocks_read: int = 0            # blocks handed to the kernel for decode rows
     blocks_dense: int = 0           # blocks dense attention would have read
     blocks_summarized_from_pages: int = 0   # (block, layer) summaries read back from the cache
+    blocks_probed_unchanged: int = 0        # (block, layer) refilled with the same keys: kept
     blocks_kept_unsummarized: int = 0       # (block, layer) kept because no summary could be made
 
     @property

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 
 from .base import AttentionBatch, BlockSelection, SparseConfigError, SparseMethod, SparseStats, StepInfo
-from .summaries import BlockEpochs, LayerSummaries
+from .summaries import BlockEpochs, LayerSummaries, WritePlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,7 @@ class BlockTopK(SparseMethod):
         self._epochs = BlockEpochs()
         self._layers: dict[str, LayerSummaries] = {}
         self._stats = SparseStats()
+        self._plan: _StepPlan | None = None
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any]) -> "BlockTopK":
@@ -101,10 +102,11 @@ class BlockTopK(SparseMethod):
     # -- step ----------------------------------------------------------------
 
     def begin_step(self, step: StepInfo) -> None:
+        self._plan = None
         for start in step.started:
             if start.num_computed_tokens > 0:
                 # These blocks' keys were written without us (prefix cache or
-                # connector load): their summaries must come from the pages.
+                # connector load): their summaries are checked against the pages.
                 num = -(-start.num_computed_tokens // step.block_size)
                 self._epochs.bump(start.block_ids[:num])
         if step.block_copies:
@@ -112,107 +114,145 @@ class BlockTopK(SparseMethod):
 
     # -- layer ---------------------------------------------------------------
 
-    def _layer(self, batch: AttentionBatch, dtype: torch.dtype) -> LayerSummaries:
+    def _layer(self, batch: AttentionBatch) -> LayerSummaries:
         layer = self._layers.get(batch.layer_name)
         if layer is None or layer.num_blocks < batch.num_cache_blocks:
-            layer = LayerSummaries(batch.num_cache_blocks, batch.num_kv_heads, batch.head_size,
-                                   dtype, batch.query.device)
+            # fp32 summaries: scoring reads them as fp32 without a conversion.
+            layer = LayerSummaries(batch.num_cache_blocks, batch.block_size, batch.num_kv_heads,
+                                   batch.head_size, torch.float32, batch.query.device)
             self._layers[batch.layer_name] = layer
         return layer
 
-    def before_attention(self, batch: AttentionBatch) -> BlockSelection | None:
-        block_size = batch.block_size
-        epochs = self._epochs.get(batch.num_cache_blocks, batch.query.device)
-        layer = None
-        if batch.key is not None and batch.slot_mapping is not None:
-            layer = self._layer(batch, batch.key.dtype)
-            num_tokens = batch.slot_mapping.shape[0]
-            layer.add_keys(batch.key[:num_tokens], batch.slot_mapping, block_size, epochs)
+    def _step_plan(self, batch: AttentionBatch) -> "_StepPlan":
+        plan = self._plan
+        if plan is None or not plan.matches(batch):
+            plan = self._plan = _StepPlan(batch, self.options)
+        return plan
 
-        qsl = batch.query_start_loc
-        seq_lens = batch.seq_lens
+    def before_attention(self, batch: AttentionBatch) -> BlockSelection | None:
+        plan = self._step_plan(batch)
+        epochs = self._epochs.get(batch.num_cache_blocks, batch.query.device)
+        layer = self._layer(batch)
+        if plan.write is not None:
+            layer.add_keys(batch.key, plan.write, epochs)
+        stats = self._stats
+        if plan.num_decode == 0:
+            return None
+        stats.layer_calls += 1
+        stats.decode_rows += plan.num_decode
+        stats.blocks_dense += plan.dense_blocks
+        if plan.rows is None:
+            stats.blocks_read += plan.dense_blocks
+            return None
+
+        forced = plan.forced
+        unsummarized = self._refresh(layer, batch, plan, epochs)
+        if unsummarized is not None:
+            forced = forced | unsummarized
+        scores = self._scores(layer, batch, plan).masked_fill(forced, float("inf"))
+        if unsummarized is None:
+            keep_rows, k, in_budget = plan.keep_rows, plan.k, plan.in_budget
+            seq_lens = plan.seq_lens
+        else:
+            # Blocks with no summary are read on top of the budget.
+            keep_rows = torch.maximum(plan.keep_rows, forced.sum(dim=1))
+            k = int(keep_rows.max())
+            in_budget = torch.arange(k, device=keep_rows.device).unsqueeze(0) < keep_rows.unsqueeze(1)
+            seq_lens = batch.seq_lens.clone()
+            seq_lens[plan.rows] = ((keep_rows - 1) * batch.block_size + plan.last_fill).to(seq_lens.dtype)
+        top = scores.topk(k, dim=1).indices
+        top = torch.where(in_budget, top, plan.width)
+        chosen = top.sort(dim=1).values.clamp_(max=plan.width - 1)
+        plan.block_table[plan.rows, :k] = plan.table.gather(1, chosen).to(plan.block_table.dtype)
+
+        stats.sparse_rows += plan.num_rows
+        stats.blocks_read += plan.dense_blocks - (plan.dropped if unsummarized is None
+                                                  else int((plan.n_rows - keep_rows).sum()))
+        return BlockSelection(block_table=plan.block_table, seq_lens=seq_lens)
+
+    def _refresh(self, layer: LayerSummaries, batch: AttentionBatch, plan: "_StepPlan",
+                 epochs: torch.Tensor) -> torch.Tensor | None:
+        """Make the summaries of the blocks these rows read current; returns
+        the (row, position) entries that still have none (always read), or None."""
+        stale = layer.stale(plan.table_flat, epochs).view_as(plan.table) & plan.valid
+        if not bool(stale.any()):
+            return None
+        if batch.pages is None:
+            self._stats.blocks_kept_unsummarized += int(stale.sum())
+            return stale
+        kept, rebuilt = layer.refresh(plan.table[stale], plan.fills[stale], epochs, batch.pages)
+        self._stats.blocks_probed_unchanged += kept
+        self._stats.blocks_summarized_from_pages += rebuilt
+        return None
+
+    def _scores(self, layer: LayerSummaries, batch: AttentionBatch, plan: "_StepPlan") -> torch.Tensor:
+        """Estimated share of each block in the attention of each row's query."""
+        q = batch.query.index_select(0, plan.q_index).float()
+        n, num_heads, head_size = q.shape
+        q = q.view(n, batch.num_kv_heads, num_heads // batch.num_kv_heads, head_size)
+        kmax = layer.kmax[plan.table]                  # [n, width, H, D]
+        kmin = layer.kmin[plan.table]
+        bound = torch.einsum("nhgd,nbhd->nhgb", q.clamp(min=0), kmax)
+        bound += torch.einsum("nhgd,nbhd->nhgb", q.clamp(max=0), kmin)
+        bound.mul_(batch.scale).masked_fill_(plan.invalid4, float("-inf"))
+        return bound.softmax(dim=-1).mean(dim=(1, 2))
+
+
+class _StepPlan:
+    """What is the same for every layer of a step: which rows are sparse,
+    their budgets, block tables and lengths, and where the new keys go."""
+
+    def __init__(self, batch: AttentionBatch, options: BlockTopKOptions) -> None:
+        self.refs = _refs(batch)
+        # Held so that the ids in refs cannot be reused while this plan lives.
+        self._alive = (batch.query_start_loc, batch.seq_lens, batch.block_table, batch.slot_mapping)
+        block_size = batch.block_size
+        self.write = (WritePlan(batch.slot_mapping, block_size)
+                      if batch.key is not None and batch.slot_mapping is not None else None)
+        qsl, seq_lens = batch.query_start_loc, batch.seq_lens
         num_reqs = seq_lens.shape[0]
         query_lens = qsl[1:num_reqs + 1] - qsl[:num_reqs]
         num_blocks = torch.div(seq_lens + block_size - 1, block_size, rounding_mode="floor")
         is_decode = query_lens == 1
-        keep = self.options.budget(num_blocks)
-        sparse = is_decode & (keep < num_blocks) & (seq_lens > 0)
+        keep = options.budget(num_blocks)
+        self.num_decode = int(is_decode.sum())
+        self.dense_blocks = int(num_blocks[is_decode].sum()) if self.num_decode else 0
+        rows = (is_decode & (keep < num_blocks) & (seq_lens > 0)).nonzero().flatten()
+        self.rows = rows if rows.numel() and self.write is not None else None
+        if self.rows is None:
+            return
+        device = rows.device
+        self.num_rows = int(rows.numel())
+        self.n_rows = num_blocks[rows].to(torch.int64)
+        self.keep_rows = keep[rows].to(torch.int64)
+        self.dropped = int((self.n_rows - self.keep_rows).sum())
+        self.k = int(self.keep_rows.max())
+        self.width = int(self.n_rows.max())
+        pos = torch.arange(self.width, device=device).unsqueeze(0)
+        self.valid = pos < self.n_rows.unsqueeze(1)
+        self.invalid4 = ~self.valid[:, None, None, :]
+        table = batch.block_table[rows, :self.width].to(torch.int64)
+        self.table = torch.where(self.valid, table, torch.zeros_like(table))
+        self.table_flat = self.table.flatten()
+        self.last_fill = seq_lens[rows].to(torch.int64) - (self.n_rows - 1) * block_size
+        self.fills = torch.where(pos == (self.n_rows - 1).unsqueeze(1), self.last_fill.unsqueeze(1),
+                                 torch.full_like(self.table, block_size))
+        self.forced = ((pos < options.sink_blocks)
+                       | (pos >= (self.n_rows - options.local_blocks).unsqueeze(1))) & self.valid
+        self.in_budget = torch.arange(self.k, device=device).unsqueeze(0) < self.keep_rows.unsqueeze(1)
+        self.q_index = qsl[rows].to(torch.int64)
+        # Handed to the kernel; the chosen blocks are written into it per layer.
+        self.block_table = batch.block_table.clone()
+        self.seq_lens = seq_lens.clone()
+        self.seq_lens[rows] = ((self.keep_rows - 1) * block_size + self.last_fill).to(seq_lens.dtype)
 
-        stats = self._stats
-        num_decode = int(is_decode.sum())
-        if num_decode == 0:
-            return None
-        dense_blocks = int(num_blocks[is_decode].sum())
-        stats.layer_calls += 1
-        stats.decode_rows += num_decode
-        stats.blocks_dense += dense_blocks
-        rows = sparse.nonzero().flatten()
-        if rows.numel() == 0 or layer is None:
-            stats.blocks_read += dense_blocks
-            return None
+    def matches(self, batch: AttentionBatch) -> bool:
+        return self.refs == _refs(batch)
 
-        n_rows = num_blocks[rows].to(torch.int64)
-        keep_rows = keep[rows].to(torch.int64)
-        width = int(n_rows.max())
-        pos = torch.arange(width, device=rows.device)
-        valid = pos.unsqueeze(0) < n_rows.unsqueeze(1)
-        table = batch.block_table[rows, :width].to(torch.int64)
-        table = torch.where(valid, table, torch.zeros_like(table))
-        last_fill = seq_lens[rows].to(torch.int64) - (n_rows - 1) * block_size
 
-        forced = (pos.unsqueeze(0) < self.options.sink_blocks) | (
-            pos.unsqueeze(0) >= (n_rows - self.options.local_blocks).unsqueeze(1))
-        forced |= self._refresh(layer, batch, table, valid, pos, n_rows, last_fill, epochs)
-        forced &= valid
-
-        scores = self._scores(layer, batch, rows, table, valid)
-        scores = scores.masked_fill(forced, float("inf"))
-        keep_rows = torch.maximum(keep_rows, forced.sum(dim=1))
-        k = int(keep_rows.max())
-        top = scores.topk(k, dim=1).indices
-        top = torch.where(torch.arange(k, device=rows.device).unsqueeze(0) < keep_rows.unsqueeze(1),
-                          top, torch.full_like(top, width))
-        chosen = top.sort(dim=1).values.clamp(max=width - 1)
-        new_rows = table.gather(1, chosen)
-
-        block_table = batch.block_table.clone()
-        block_table[rows, :k] = new_rows.to(block_table.dtype)
-        new_lens = seq_lens.clone()
-        new_lens[rows] = ((keep_rows - 1) * block_size + last_fill).to(new_lens.dtype)
-
-        stats.sparse_rows += int(rows.numel())
-        stats.blocks_read += dense_blocks - int((n_rows - keep_rows).sum())
-        return BlockSelection(block_table=block_table, seq_lens=new_lens)
-
-    def _refresh(self, layer: LayerSummaries, batch: AttentionBatch, table: torch.Tensor,
-                 valid: torch.Tensor, pos: torch.Tensor, n_rows: torch.Tensor,
-                 last_fill: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
-        """Rebuild stale summaries of the blocks these rows read; returns the
-        (row, position) entries that still have none (always read)."""
-        stale = layer.stale(table.flatten(), epochs).view_as(table) & valid
-        if not bool(stale.any()):
-            return stale
-        if batch.read_keys is None:
-            self._stats.blocks_kept_unsummarized += int(stale.sum())
-            return stale
-        fills = torch.where(pos.unsqueeze(0) == (n_rows - 1).unsqueeze(1), last_fill.unsqueeze(1),
-                            torch.full_like(table, batch.block_size))
-        blocks, fills = table[stale], fills[stale]
-        layer.rebuild(blocks, fills, epochs, batch.read_keys)
-        self._stats.blocks_summarized_from_pages += int(blocks.numel())
-        return torch.zeros_like(stale)
-
-    def _scores(self, layer: LayerSummaries, batch: AttentionBatch, rows: torch.Tensor,
-                table: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Estimated share of each block in the attention of each row's query."""
-        num_kv_heads = batch.num_kv_heads
-        q = batch.query[batch.query_start_loc[rows].to(torch.int64)].float()
-        n, num_heads, head_size = q.shape
-        q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_size)
-        kmax = layer.kmax[table].float()               # [n, width, H, D]
-        kmin = layer.kmin[table].float()
-        bound = torch.einsum("nhgd,nbhd->nhgb", q.clamp(min=0), kmax)
-        bound += torch.einsum("nhgd,nbhd->nhgb", q.clamp(max=0), kmin)
-        bound = (bound * batch.scale).masked_fill(~valid[:, None, None, :], float("-inf"))
-        mass = bound.softmax(dim=-1)
-        return mass.mean(dim=(1, 2))
+def _refs(batch: AttentionBatch) -> tuple:
+    """Identifies a step's metadata across its layers (each layer gets its
+    own views of the same tensors)."""
+    slots = batch.slot_mapping
+    return (id(batch.query_start_loc), id(batch.seq_lens), id(batch.block_table),
+            None if slots is None else (slots.data_ptr(), slots.shape[0]))

@@ -9,16 +9,16 @@ put there by someone else (vLLM's prefix cache, a KV connector's load, a
 block copy, or anything written while no method was active) are told apart
 by epochs: the step hook bumps a block's epoch when its content comes from
 outside, and a layer's summary of a block is trusted only while it was made
-at the block's current epoch.  A stale summary is rebuilt from the block's
-page, read back through the backend's page reader, the first time a decode
-step needs it.
+at the block's current epoch.  A stale summary is checked, the first time a
+decode step needs it, against one key element per token recorded when it was
+made (``probe``): a block refilled with the same keys (a prefix-cache hit, a
+store load of the same prefix) keeps its summary; any other is rebuilt from
+its page.
 
 Knows attention math and tensors; knows nothing of vLLM's classes.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -49,41 +49,69 @@ class BlockEpochs:
         return self.epochs
 
 
+class WritePlan:
+    """Where one step's new keys go, by block: the same for every layer of
+    the step, so it is worked out once."""
+
+    def __init__(self, slot_mapping: torch.Tensor, block_size: int) -> None:
+        keep = slot_mapping >= 0
+        self.keep = None if bool(keep.all()) else keep
+        slots = (slot_mapping if self.keep is None else slot_mapping[keep]).to(torch.int64)
+        self.num_tokens = slots.numel()
+        self.blocks = torch.div(slots, block_size, rounding_mode="floor")
+        self.offsets = slots - self.blocks * block_size
+        self.starts = self.blocks[self.offsets == 0]
+        self._index: torch.Tensor | None = None
+        self._probe_dims: torch.Tensor | None = None
+
+    def probe_dims(self, head_size: int) -> torch.Tensor:
+        if self._probe_dims is None:
+            self._probe_dims = self.offsets % head_size
+        return self._probe_dims
+
+    def index(self, width: int) -> torch.Tensor:
+        if self._index is None or self._index.shape[1] != width:
+            self._index = self.blocks.unsqueeze(1).expand(-1, width)
+        return self._index
+
+
 class LayerSummaries:
     """Min/max of each block's keys for one layer: ``[num_blocks, H, D]``."""
 
-    def __init__(self, num_blocks: int, num_kv_heads: int, head_size: int,
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks, num_kv_heads, head_size)
         self.kmin = torch.full(shape, float("inf"), dtype=dtype, device=device)
         self.kmax = torch.full(shape, float("-inf"), dtype=dtype, device=device)
         # Epoch at which each block's summary was started; -1 = never.
         self.made_at = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+        # Per token, the key element KeyPages.probe reads (kv head 0, dim
+        # t % head_size), as written; NaN where unknown (never equal).
+        self.probe = torch.full((num_blocks, block_size), float("nan"), dtype=dtype, device=device)
+        self.block_size = block_size
+        self._head_size = head_size
 
     @property
     def num_blocks(self) -> int:
         return self.kmin.shape[0]
 
-    def add_keys(self, key: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-                 epochs: torch.Tensor) -> None:
-        """Fold the keys just written at ``slot_mapping`` into their blocks'
-        summaries.  A token at offset 0 starts its block afresh: tokens of a
-        block are written in order, so that is where a block's new content
-        begins (whatever the block held before)."""
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            key, slot_mapping = key[keep], slot_mapping[keep]
-        if slot_mapping.numel() == 0:
+    def add_keys(self, key: torch.Tensor, plan: "WritePlan", epochs: torch.Tensor) -> None:
+        """Fold the keys just written (``plan`` says where) into their
+        blocks' summaries.  A token at offset 0 starts its block afresh:
+        tokens of a block are written in order, so that is where a block's
+        new content begins (whatever the block held before)."""
+        if plan.num_tokens == 0:
             return
-        slots = slot_mapping.to(torch.int64)
-        blocks = torch.div(slots, block_size, rounding_mode="floor")
-        starts = blocks[slots - blocks * block_size == 0]
-        if starts.numel():
-            self.kmin.index_fill_(0, starts, float("inf"))
-            self.kmax.index_fill_(0, starts, float("-inf"))
-            self.made_at.index_copy_(0, starts, epochs.index_select(0, starts))
-        flat = key.reshape(key.shape[0], -1).to(self.kmin.dtype)
-        index = blocks.unsqueeze(1).expand(-1, flat.shape[1])
+        if plan.keep is not None:
+            key = key[plan.keep]
+        if plan.starts.numel():
+            self.kmin.index_fill_(0, plan.starts, float("inf"))
+            self.kmax.index_fill_(0, plan.starts, float("-inf"))
+            self.made_at.index_copy_(0, plan.starts, epochs.index_select(0, plan.starts))
+        self.probe[plan.blocks, plan.offsets] = key[:, 0].gather(
+            1, plan.probe_dims(self._head_size).unsqueeze(1)).squeeze(1).to(self.probe.dtype)
+        flat = key.reshape(plan.num_tokens, -1).to(self.kmin.dtype)
+        index = plan.index(flat.shape[1])
         width = flat.shape[1]
         self.kmin.view(-1, width).scatter_reduce_(0, index, flat, "amin")
         self.kmax.view(-1, width).scatter_reduce_(0, index, flat, "amax")
@@ -91,16 +119,36 @@ class LayerSummaries:
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
 
-    def rebuild(self, blocks: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
-                read_keys: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Summarize ``blocks`` from their pages; ``fills`` = valid tokens in each."""
-        keys = read_keys(blocks)                        # [n, B, H, D]
-        block_size = keys.shape[1]
-        pad = torch.arange(block_size, device=keys.device).unsqueeze(0) >= fills.unsqueeze(1)
-        pad = pad[:, :, None, None]
-        big = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
-        kmin = keys.masked_fill(pad, big).amin(dim=1)
-        kmax = keys.masked_fill(pad, -big).amax(dim=1)
-        self.kmin.index_copy_(0, blocks, kmin.to(self.kmin.dtype))
-        self.kmax.index_copy_(0, blocks, kmax.to(self.kmax.dtype))
+    def refresh(self, blocks: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
+                pages) -> tuple[int, int]:
+        """Make the summaries of these stale ``blocks`` (``fills`` = valid
+        tokens in each) current: kept if the page still holds the keys they
+        were made from, else rebuilt from the page.  Returns (kept, rebuilt)."""
+        blocks, inverse = torch.unique(blocks, return_inverse=True)
+        fills = torch.zeros_like(blocks).scatter_reduce_(0, inverse, fills, "amax", include_self=False)
+        block_size = self.block_size
+        seen = self.probe.index_select(0, blocks)
+        now = pages.probe(blocks).to(seen.dtype)
+        filled = torch.arange(block_size, device=blocks.device).unsqueeze(0) < fills.unsqueeze(1)
+        same = ((seen == now) | ~filled).all(dim=1) & (self.made_at.index_select(0, blocks) >= 0)
         self.made_at.index_copy_(0, blocks, epochs.index_select(0, blocks))
+        if bool(same.all()):
+            return int(blocks.numel()), 0
+        redo = ~same
+        blocks, fills, now = blocks[redo], fills[redo], now[redo]
+        full = fills == block_size
+        if bool(full.any()):
+            kmin, kmax = pages.minmax(blocks[full])
+            self.kmin.index_copy_(0, blocks[full], kmin.to(self.kmin.dtype))
+            self.kmax.index_copy_(0, blocks[full], kmax.to(self.kmax.dtype))
+        if not bool(full.all()):
+            part, part_fills = blocks[~full], fills[~full]
+            keys = pages.read(part)                        # [n, B, H, D]
+            pad = (torch.arange(block_size, device=keys.device).unsqueeze(0)
+                   >= part_fills.unsqueeze(1))[:, :, None, None]
+            inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
+            self.kmin.index_copy_(0, part, keys.masked_fill(pad, inf).amin(dim=1).to(self.kmin.dtype))
+            self.kmax.index_copy_(0, part, keys.masked_fill(pad, -inf).amax(dim=1).to(self.kmax.dtype))
+        self.probe.index_copy_(0, blocks, now.masked_fill(
+            torch.arange(block_size, device=blocks.device).unsqueeze(0) >= fills.unsqueeze(1), float("nan")))
+        return int(same.sum()), int(blocks.numel())
