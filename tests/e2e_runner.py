@@ -14,6 +14,7 @@ Spec::
      "extra_config": {...},              # more kv_connector_extra_config keys
      "dtype": "bfloat16", "block_size": 128, "tensor_parallel_size": 1,
      "num_gpu_blocks_override": null,    # a small KV cache forces preemption
+     "max_model_len": 4096,
      "kv_events_port": null,             # publish KV events over ZMQ on this port
      "engines": [{...}, ...],            # several engines alive at once: each a
                                          # dict of the keys above overriding the
@@ -66,30 +67,13 @@ if ROOT not in sys.path:
 # -- store helpers (also imported by the tests) -------------------------------
 
 def count_blocks(url: str) -> int:
-    """Blocks held by the store at ``url`` (for Redis: keys of its namespace)."""
-    import urllib.parse
-
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in ("redis", "rediss"):
-        import redis
-
-        parts = urllib.parse.urlsplit(url)
-        query = dict(urllib.parse.parse_qsl(parts.query))
-        namespace = query.get("namespace", "ucm")
-        client = redis.Redis(host=parts.hostname, port=parts.port or 6379,
-                             db=int(parts.path.strip("/") or 0), socket_timeout=5)
-        try:
-            return sum(1 for _ in client.scan_iter(match=f"{namespace}:*", count=1000))
-        finally:
-            client.close()
-    if scheme == "disk":
-        root = urllib.parse.unquote(urllib.parse.urlsplit(url).path)
-        return len(block_files(root))
+    """Blocks held by the store at ``url`` (namespace manifests not counted)."""
     from store_backends import open_store
+    from ucm_connector.manifest import is_manifest_key
 
     store = open_store(url)
     try:
-        return int(store.stats().num_blocks or 0)
+        return sum(1 for keys in store.iter_keys() for key in keys if not is_manifest_key(key))
     finally:
         store.close()
 
@@ -134,6 +118,7 @@ def corrupt_disk_store(root: str, mode: str) -> int:
     import numpy as np
 
     from ucm_connector import blockfmt
+    from ucm_connector.manifest import is_manifest_key
 
     changed = 0
     for path in block_files(root):
@@ -143,6 +128,8 @@ def corrupt_disk_store(root: str, mode: str) -> int:
             if magic != _DISK_MAGIC or nbytes + key_len + _TRAILER.size != len(data):
                 raise RuntimeError(f"{path} is not a disk-store block file")
             key = data[nbytes:nbytes + key_len]
+            if is_manifest_key(key):
+                continue
             value = bytearray(data[:nbytes])
             header = blockfmt.parse_header(value)
             payload = np.frombuffer(value, dtype=np.uint8)[blockfmt.HEADER_NBYTES:]
@@ -169,7 +156,8 @@ def build_llm(spec: dict):
     from vllm import LLM
 
     kwargs = dict(
-        model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=4096,
+        model=spec["model"], dtype=spec.get("dtype", "bfloat16"),
+        max_model_len=int(spec.get("max_model_len", 4096)),
         enforce_eager=True, enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
         block_size=int(spec.get("block_size", 128)),

@@ -24,6 +24,7 @@ from .config import UCMConfig
 from .events import EventTracker, OutcomeLog, UCMKVEvents, events_enabled
 from .hashing import BlockHasher
 from .layout import namespace_for
+from .manifest import write_manifest
 from .metrics import StatsCollector, UCMStats, build_prom_metrics
 from .scheduler import BlockPlan, UCMScheduler
 
@@ -86,6 +87,9 @@ class UCMConnector(KVConnectorBase_V1):
             except Exception:
                 tp_rank = 0
             namespace = namespace_for(vllm_config, tp_rank=tp_rank)
+            if self._save_enabled:
+                # What `ucm store stats` shows for this namespace (never raises).
+                write_manifest(self.store, namespace, model_name=str(vllm_config.model_config.model))
             num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
             self._worker = UCMWorker(
                 store=self.store, namespace_digest=namespace.digest, tp_rank=tp_rank,
