@@ -364,6 +364,17 @@ def engines(tmp_path_factory, request):
         {"op": "events", "name": "after_repair"},
     ], kv_events_port=free_port())))
 
+    # A Redis with no room (maxmemory below what it uses, noeviction): every
+    # put is refused.
+    full_redis = RedisServer(extra=["--maxmemory", "1mb", "--maxmemory-policy", "noeviction"]).start()
+    eng.full_redis = full_redis
+    eng.add(Run("redis-full", connector(full_redis.url + "?namespace=full", [
+        _gen("first", [A]),
+        {"op": "sleep", "name": "settle", "seconds": 1.0},
+        _gen("second", [A]),
+        _gen("batch", [A, B]),
+    ])))
+
     eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
     eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
 
@@ -386,6 +397,7 @@ def engines(tmp_path_factory, request):
         run.done.wait(JOB_TIMEOUT_S)
     print(f"\ne2e engine runs: {eng.cleanup_summary()}")
     redis.cleanup()
+    full_redis.cleanup()
     from store_backends.shm_server import stop_server
 
     stop_server(shm_name)
@@ -618,6 +630,24 @@ def test_redis_down_mid_run_requests_complete_without_reuse(engines):
     stderr = engines.wait("redis2").stderr
     assert stderr.count("ucm-connector: store lookup failed") == 1, engines.wait("redis2").tail()
     assert stderr.count("ucm-connector: store lookup before save failed") == 1
+
+
+@uses('ref', 'redis-full')
+def test_full_store_refuses_saves_and_requests_complete_unchanged(engines):
+    """A store with no room: every save is refused and counted, nothing is
+    hit, and every request completes with the no-reuse output."""
+    ref, got = engines.result("ref"), engines.result("redis-full")
+    for step in ("first", "second"):
+        assert got[step]["cached"] == [0] and got[step]["finish"] == ["length"]
+        assert got[step]["outputs"] == ref["full_cold"]["outputs"]
+    assert got["batch"]["cached"] == [0, 0]
+    assert got["batch"]["outputs"][0] == ref["full_cold"]["outputs"][0]
+    skipped = sum(got[s]["counters"].get("vllm:ucm_skipped_saves", 0) for s in ("first", "second", "batch"))
+    saved = sum(got[s]["counters"].get("vllm:ucm_saved_blocks", 0) for s in ("first", "second", "batch"))
+    assert saved == 0 and skipped >= 5
+    assert count_blocks(engines.full_redis.url + "?namespace=full") == 0
+    stderr = engines.wait("redis-full").stderr
+    assert stderr.count("blocks (full?)") == 1, engines.wait("redis-full").tail()
 
 
 # -- a store that cannot be opened at start-up -----------------------------------------------------------

@@ -368,6 +368,11 @@ class UCMWorker:
                 self._failed("store save", exc)
                 stored = [False] * len(keys)
             n = sum(stored)
+            if n < len(keys) and "store refused" not in self._logged:
+                self._logged.add("store refused")
+                logger.warning("ucm-connector: store %s refused %d of %d blocks (full?); refused saves "
+                               "are skipped and counted in vllm:ucm_skipped_saves (logged once)",
+                               self.store.url, len(keys) - n, len(keys))
             self.events.add(WRITTEN, [k for k, ok in zip(keys, stored) if ok])
             self.events.add(NOT_STORED, [k for k, ok in zip(keys, stored) if not ok])
             self.stats.add(saved_blocks=n, saved_bytes=n * self.payload_nbytes,
