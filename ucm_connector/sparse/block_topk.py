@@ -187,15 +187,16 @@ class BlockTopK(SparseMethod):
 
     def _scores(self, layer: LayerSummaries, batch: AttentionBatch, plan: "_StepPlan") -> torch.Tensor:
         """Estimated share of each block in the attention of each row's query."""
-        q = batch.query.index_select(0, plan.q_index).float()
+        q = batch.query.index_select(0, plan.q_index).float()          # [n, Hq, D]
         n, num_heads, head_size = q.shape
-        q = q.view(n, batch.num_kv_heads, num_heads // batch.num_kv_heads, head_size)
-        kmax = layer.kmax[plan.table]                  # [n, width, H, D]
-        kmin = layer.kmin[plan.table]
-        bound = torch.einsum("nhgd,nbhd->nhgb", q.clamp(min=0), kmax)
-        bound += torch.einsum("nhgd,nbhd->nhgb", q.clamp(max=0), kmin)
-        bound.mul_(batch.scale).masked_fill_(plan.invalid4, float("-inf"))
-        return bound.softmax(dim=-1).mean(dim=(1, 2))
+        num_kv_heads = batch.num_kv_heads
+        q = q.view(n * num_kv_heads, num_heads // num_kv_heads, head_size)
+        q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)        # [n*H, g, 2D]
+        bounds = layer.bounds.view(-1, 2 * head_size).index_select(0, plan.head_index)
+        bound = torch.bmm(q, bounds.view(n * num_kv_heads, plan.width, 2 * head_size).transpose(1, 2))
+        bound = bound.view(n, -1, plan.width)                          # [n, Hq, width]
+        bound.mul_(batch.scale).masked_fill_(plan.invalid3, float("-inf"))
+        return bound.softmax(dim=-1).mean(dim=1)
 
 
 class _StepPlan:
@@ -230,9 +231,12 @@ class _StepPlan:
         self.width = int(self.n_rows.max())
         pos = torch.arange(self.width, device=device).unsqueeze(0)
         self.valid = pos < self.n_rows.unsqueeze(1)
-        self.invalid4 = ~self.valid[:, None, None, :]
+        self.invalid3 = ~self.valid[:, None, :]
         table = batch.block_table[rows, :self.width].to(torch.int64)
         self.table = torch.where(self.valid, table, torch.zeros_like(table))
+        # Rows of the [num_blocks * H, 2D] bounds, in (row, head, position) order.
+        heads = torch.arange(batch.num_kv_heads, device=device).view(1, -1, 1)
+        self.head_index = (self.table.unsqueeze(1) * batch.num_kv_heads + heads).flatten()
         self.table_flat = self.table.flatten()
         self.last_fill = seq_lens[rows].to(torch.int64) - (self.n_rows - 1) * block_size
         self.fills = torch.where(pos == (self.n_rows - 1).unsqueeze(1), self.last_fill.unsqueeze(1),

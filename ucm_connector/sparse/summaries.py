@@ -69,20 +69,25 @@ class WritePlan:
             self._probe_dims = self.offsets % head_size
         return self._probe_dims
 
-    def index(self, width: int) -> torch.Tensor:
-        if self._index is None or self._index.shape[1] != width:
-            self._index = self.blocks.unsqueeze(1).expand(-1, width)
+    def index(self, shape: torch.Size) -> torch.Tensor:
+        """``blocks`` broadcast over a key's ``[H, D]``."""
+        if self._index is None or self._index.shape[1:] != shape:
+            self._index = self.blocks.view(-1, 1, 1).expand(-1, *shape)
         return self._index
 
 
 class LayerSummaries:
-    """Min/max of each block's keys for one layer: ``[num_blocks, H, D]``."""
+    """Max and min of each block's keys for one layer, side by side in
+    ``bounds`` ``[num_blocks, H, 2 * D]`` (max first): one gather and one
+    matmul against ``[max(q, 0), min(q, 0)]`` give Quest's bound."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_blocks, num_kv_heads, head_size)
-        self.kmin = torch.full(shape, float("inf"), dtype=dtype, device=device)
-        self.kmax = torch.full(shape, float("-inf"), dtype=dtype, device=device)
+        self.bounds = torch.empty((num_blocks, num_kv_heads, 2 * head_size), dtype=dtype, device=device)
+        self.kmax = self.bounds[:, :, :head_size]
+        self.kmin = self.bounds[:, :, head_size:]
+        self.kmax.fill_(float("-inf"))
+        self.kmin.fill_(float("inf"))
         # Epoch at which each block's summary was started; -1 = never.
         self.made_at = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         # Per token, the key element KeyPages.probe reads (kv head 0, dim
@@ -110,11 +115,10 @@ class LayerSummaries:
             self.made_at.index_copy_(0, plan.starts, epochs.index_select(0, plan.starts))
         self.probe[plan.blocks, plan.offsets] = key[:, 0].gather(
             1, plan.probe_dims(self._head_size).unsqueeze(1)).squeeze(1).to(self.probe.dtype)
-        flat = key.reshape(plan.num_tokens, -1).to(self.kmin.dtype)
-        index = plan.index(flat.shape[1])
-        width = flat.shape[1]
-        self.kmin.view(-1, width).scatter_reduce_(0, index, flat, "amin")
-        self.kmax.view(-1, width).scatter_reduce_(0, index, flat, "amax")
+        key = key.to(self.bounds.dtype)
+        index = plan.index(key.shape[1:])
+        self.kmin.scatter_reduce_(0, index, key, "amin")
+        self.kmax.scatter_reduce_(0, index, key, "amax")
 
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
