@@ -75,12 +75,15 @@ class CpuKeyPages(KeyPages):
         pages = self._keys.index_select(0, block_ids).index_select(2, self._perm)
         return pages.view(-1, self.num_kv_heads, self.block_size, self.head_size).transpose(1, 2)
 
-    def minmax(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._transposed:
             pages = self._keys.index_select(0, block_ids).view(-1, self.num_kv_heads, self.head_size,
                                                                self.block_size)
-            return torch.aminmax(pages, dim=-1)
-        return torch.aminmax(self.read(block_ids), dim=1)
+            kmin, kmax = torch.aminmax(pages, dim=-1)
+            return kmin, kmax, pages.sum(dim=-1, dtype=torch.float32)
+        keys = self.read(block_ids)
+        kmin, kmax = torch.aminmax(keys, dim=1)
+        return kmin, kmax, keys.sum(dim=1, dtype=torch.float32)
 
     def probe(self, block_ids: torch.Tensor) -> torch.Tensor:
         return self._keys[:, 0].index_select(0, block_ids).index_select(1, self._probe_at)

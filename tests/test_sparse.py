@@ -67,9 +67,10 @@ def test_keys_read_back_from_pages_equal_the_keys_written(isa):
     pages = key_pages(cache.kv, isa, HEAD, "auto")
     blocks = torch.tensor([7, 3])
     assert torch.equal(pages.read(blocks).reshape(2 * BLOCK, KV_HEADS, HEAD), keys)
-    kmin, kmax = pages.minmax(blocks)
+    kmin, kmax, ksum = pages.reduce(blocks)
     assert torch.equal(kmin, keys.view(2, BLOCK, KV_HEADS, HEAD).amin(1))
     assert torch.equal(kmax, keys.view(2, BLOCK, KV_HEADS, HEAD).amax(1))
+    assert torch.allclose(ksum, keys.view(2, BLOCK, KV_HEADS, HEAD).float().sum(1), atol=1e-3)
     tokens = torch.arange(BLOCK)
     want = keys.view(2, BLOCK, KV_HEADS, HEAD)[:, tokens, 0, tokens % HEAD]
     assert torch.equal(pages.probe(blocks), want)
@@ -217,8 +218,9 @@ class Step:
             pages=key_pages(self.cache.kv, "vec", HEAD, "auto"))
 
 
-def test_block_topk_reads_sinks_the_hot_block_and_the_local_window_in_order():
-    method = BlockTopK.from_config({"budget_blocks": 3})
+@pytest.mark.parametrize("score", ["mean", "bound"])
+def test_block_topk_reads_sinks_the_hot_block_and_the_local_window_in_order(score):
+    method = BlockTopK.from_config({"budget_blocks": 3, "score": score})
     step = Step(method, hot_block=6)
     sel = method.before_attention(step.batch())
     assert sel is not None
@@ -308,6 +310,8 @@ def test_options_are_checked_together():
         validate({"method": "block_topk", "keep_ratio": 0.5, "budget_blocks": 4})
     with pytest.raises(SparseConfigError, match="local_blocks: expected an integer >= 1"):
         validate({"method": "block_topk", "local_blocks": 0})
+    with pytest.raises(SparseConfigError, match="score: expected 'mean' or 'bound'"):
+        validate({"method": "block_topk", "score": "max"})
 
 
 def test_a_third_party_method_is_found_by_name():

@@ -93,11 +93,11 @@ class KeyPages(abc.ABC):
     def read(self, block_ids: Any) -> Any:
         """Keys of whole blocks: ``[n, block_size, num_kv_heads, head_size]``."""
 
-    def minmax(self, block_ids: Any) -> tuple[Any, Any]:
-        """Elementwise min and max over all tokens of full blocks:
-        two ``[n, num_kv_heads, head_size]``."""
+    def reduce(self, block_ids: Any) -> tuple[Any, Any, Any]:
+        """Elementwise min, max and (fp32) sum over all tokens of full
+        blocks: three ``[n, num_kv_heads, head_size]``."""
         keys = self.read(block_ids)
-        return keys.amin(dim=1), keys.amax(dim=1)
+        return keys.amin(dim=1), keys.amax(dim=1), keys.float().sum(dim=1)
 
     @abc.abstractmethod
     def probe(self, block_ids: Any) -> Any:

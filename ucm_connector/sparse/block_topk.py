@@ -2,10 +2,13 @@
 whose keys can matter most to the current query.
 
 For each decode request and layer, every block gets an estimate of the
-attention mass it can take: per query head, the Quest upper bound of q . k
-over the block (from the block's per-head key min/max, ``summaries.py``),
+share of attention it takes: per query head, q . (the block's mean key),
 scaled and soft-maxed over the request's blocks, then averaged over heads (the
-kernel takes one block list for all heads of a request).  The first
+kernel takes one block list for all heads of a request).  With ``score:
+"bound"`` the mean key is replaced by Quest's upper bound of q . k over the
+block (from the per-head key min/max); on 128-token blocks the mean predicts
+dense attention better (benchmarks/RESULTS.md).  Summaries live in
+``summaries.py``.  The first
 ``sink_blocks`` blocks (attention sinks) and the last ``local_blocks`` blocks
 (the recent window, which holds the partly filled block) are always read; the
 rest of the budget goes to the highest estimates.  Chosen blocks are handed to
@@ -15,7 +18,8 @@ Options (``"sparse": {"method": "block_topk", ...}``):
 
 * ``keep_ratio`` (default 0.25): fraction of a request's blocks read, rounded up;
 * ``budget_blocks``: a fixed number of blocks instead (give one of the two);
-* ``sink_blocks`` (default 1), ``local_blocks`` (default 1, at least 1).
+* ``sink_blocks`` (default 1), ``local_blocks`` (default 1, at least 1);
+* ``score``: ``"mean"`` (default) or ``"bound"``.
 
 A request whose budget covers all its blocks reads them all (no sparsity):
 short requests are exactly dense.  Prefill and chunked-prefill rows (more
@@ -39,6 +43,7 @@ class BlockTopKOptions:
     budget_blocks: int | None = None
     sink_blocks: int = 1
     local_blocks: int = 1
+    score: str = "mean"
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "BlockTopKOptions":
@@ -67,7 +72,10 @@ class BlockTopKOptions:
             raise SparseConfigError(
                 f"block_topk: local_blocks: expected an integer >= 1 (the last, partly filled "
                 f"block is always read), got {local!r}")
-        return cls(keep_ratio=ratio, budget_blocks=budget, sink_blocks=sinks, local_blocks=local)
+        score = options.get("score", cls.score)
+        if score not in ("mean", "bound"):
+            raise SparseConfigError(f"block_topk: score: expected 'mean' or 'bound', got {score!r}")
+        return cls(keep_ratio=ratio, budget_blocks=budget, sink_blocks=sinks, local_blocks=local, score=score)
 
     def budget(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """Blocks to read for requests of ``num_blocks`` blocks (elementwise)."""
@@ -188,15 +196,18 @@ class BlockTopK(SparseMethod):
     def _scores(self, layer: LayerSummaries, batch: AttentionBatch, plan: "_StepPlan") -> torch.Tensor:
         """Estimated share of each block in the attention of each row's query."""
         q = batch.query.index_select(0, plan.q_index).float()          # [n, Hq, D]
-        n, num_heads, head_size = q.shape
-        num_kv_heads = batch.num_kv_heads
-        q = q.view(n * num_kv_heads, num_heads // num_kv_heads, head_size)
-        q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)        # [n*H, g, 2D]
-        bounds = layer.bounds.view(-1, 2 * head_size).index_select(0, plan.head_index)
-        bound = torch.bmm(q, bounds.view(n * num_kv_heads, plan.width, 2 * head_size).transpose(1, 2))
-        bound = bound.view(n, -1, plan.width)                          # [n, Hq, width]
-        bound.mul_(batch.scale).masked_fill_(plan.invalid3, float("-inf"))
-        return bound.softmax(dim=-1).mean(dim=1)
+        n, num_heads, d = q.shape
+        q = q.view(n * batch.num_kv_heads, num_heads // batch.num_kv_heads, d)
+        rows = layer.bounds.view(-1, 3 * d).index_select(0, plan.head_index)
+        rows = rows.view(n * batch.num_kv_heads, plan.width, 3 * d)
+        if self.options.score == "bound":
+            q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
+            logits = torch.bmm(q, rows[:, :, :2 * d].transpose(1, 2)).view(n, num_heads, plan.width)
+        else:
+            logits = torch.bmm(q, rows[:, :, 2 * d:].transpose(1, 2)).view(n, num_heads, plan.width)
+            logits.div_(layer.count.index_select(0, plan.table_flat).view(n, 1, plan.width).clamp(min=1))
+        logits.mul_(batch.scale).masked_fill_(plan.invalid3, float("-inf"))
+        return logits.softmax(dim=-1).mean(dim=1)
 
 
 class _StepPlan:

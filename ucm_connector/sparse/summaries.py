@@ -63,11 +63,17 @@ class WritePlan:
         self.starts = self.blocks[self.offsets == 0]
         self._index: torch.Tensor | None = None
         self._probe_dims: torch.Tensor | None = None
+        self._ones: torch.Tensor | None = None
 
     def probe_dims(self, head_size: int) -> torch.Tensor:
         if self._probe_dims is None:
             self._probe_dims = self.offsets % head_size
         return self._probe_dims
+
+    def ones(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._ones is None or self._ones.dtype != dtype:
+            self._ones = torch.ones(self.num_tokens, dtype=dtype, device=self.blocks.device)
+        return self._ones
 
     def index(self, shape: torch.Size) -> torch.Tensor:
         """``blocks`` broadcast over a key's ``[H, D]``."""
@@ -77,17 +83,22 @@ class WritePlan:
 
 
 class LayerSummaries:
-    """Max and min of each block's keys for one layer, side by side in
-    ``bounds`` ``[num_blocks, H, 2 * D]`` (max first): one gather and one
-    matmul against ``[max(q, 0), min(q, 0)]`` give Quest's bound."""
+    """Max, min and sum of each block's keys for one layer, side by side in
+    ``bounds`` ``[num_blocks, H, 3 * D]``, and each block's token count: one
+    gather serves every score (Quest's bound is a matmul against
+    ``[max(q, 0), min(q, 0)]``; the mean key's score one against the sum)."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.bounds = torch.empty((num_blocks, num_kv_heads, 2 * head_size), dtype=dtype, device=device)
-        self.kmax = self.bounds[:, :, :head_size]
-        self.kmin = self.bounds[:, :, head_size:]
+        d = head_size
+        self.bounds = torch.empty((num_blocks, num_kv_heads, 3 * d), dtype=dtype, device=device)
+        self.kmax = self.bounds[:, :, :d]
+        self.kmin = self.bounds[:, :, d:2 * d]
+        self.ksum = self.bounds[:, :, 2 * d:]
         self.kmax.fill_(float("-inf"))
         self.kmin.fill_(float("inf"))
+        self.ksum.zero_()
+        self.count = torch.zeros(num_blocks, dtype=dtype, device=device)
         # Epoch at which each block's summary was started; -1 = never.
         self.made_at = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         # Per token, the key element KeyPages.probe reads (kv head 0, dim
@@ -112,6 +123,8 @@ class LayerSummaries:
         if plan.starts.numel():
             self.kmin.index_fill_(0, plan.starts, float("inf"))
             self.kmax.index_fill_(0, plan.starts, float("-inf"))
+            self.ksum.index_fill_(0, plan.starts, 0.0)
+            self.count.index_fill_(0, plan.starts, 0.0)
             self.made_at.index_copy_(0, plan.starts, epochs.index_select(0, plan.starts))
         self.probe[plan.blocks, plan.offsets] = key[:, 0].gather(
             1, plan.probe_dims(self._head_size).unsqueeze(1)).squeeze(1).to(self.probe.dtype)
@@ -119,6 +132,8 @@ class LayerSummaries:
         index = plan.index(key.shape[1:])
         self.kmin.scatter_reduce_(0, index, key, "amin")
         self.kmax.scatter_reduce_(0, index, key, "amax")
+        self.ksum.index_add_(0, plan.blocks, key)
+        self.count.index_add_(0, plan.blocks, plan.ones(self.count.dtype))
 
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
@@ -142,17 +157,19 @@ class LayerSummaries:
         blocks, fills, now = blocks[redo], fills[redo], now[redo]
         full = fills == block_size
         if bool(full.any()):
-            kmin, kmax = pages.minmax(blocks[full])
+            kmin, kmax, ksum = pages.reduce(blocks[full])
             self.kmin.index_copy_(0, blocks[full], kmin.to(self.kmin.dtype))
             self.kmax.index_copy_(0, blocks[full], kmax.to(self.kmax.dtype))
+            self.ksum.index_copy_(0, blocks[full], ksum.to(self.ksum.dtype))
         if not bool(full.all()):
             part, part_fills = blocks[~full], fills[~full]
-            keys = pages.read(part)                        # [n, B, H, D]
+            keys = pages.read(part).to(self.bounds.dtype)  # [n, B, H, D]
             pad = (torch.arange(block_size, device=keys.device).unsqueeze(0)
                    >= part_fills.unsqueeze(1))[:, :, None, None]
-            inf = torch.tensor(float("inf"), dtype=keys.dtype, device=keys.device)
-            self.kmin.index_copy_(0, part, keys.masked_fill(pad, inf).amin(dim=1).to(self.kmin.dtype))
-            self.kmax.index_copy_(0, part, keys.masked_fill(pad, -inf).amax(dim=1).to(self.kmax.dtype))
+            self.kmin.index_copy_(0, part, keys.masked_fill(pad, float("inf")).amin(dim=1))
+            self.kmax.index_copy_(0, part, keys.masked_fill(pad, float("-inf")).amax(dim=1))
+            self.ksum.index_copy_(0, part, keys.masked_fill(pad, 0.0).sum(dim=1))
+        self.count.index_copy_(0, blocks, fills.to(self.count.dtype))
         self.probe.index_copy_(0, blocks, now.masked_fill(
             torch.arange(block_size, device=blocks.device).unsqueeze(0) >= fills.unsqueeze(1), float("nan")))
         return int(same.sum()), int(blocks.numel())
