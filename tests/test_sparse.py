@@ -249,6 +249,13 @@ def test_the_kernel_given_a_selection_computes_attention_over_exactly_the_chosen
     assert torch.equal(out[1:], dense[1:])                  # untouched rows: bit for bit
 
 
+def test_requests_under_min_blocks_are_read_whole():
+    method = BlockTopK.from_config({"budget_blocks": 3, "min_blocks": 11})
+    step = Step(method)
+    assert method.before_attention(step.batch()) is None           # 10 blocks < 11
+    assert method.stats().sparse_rows == 0
+
+
 def test_a_budget_that_covers_every_block_changes_nothing():
     method = BlockTopK.from_config({"keep_ratio": 1.0})
     step = Step(method)

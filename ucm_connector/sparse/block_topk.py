@@ -19,7 +19,9 @@ Options (``"sparse": {"method": "block_topk", ...}``):
 * ``keep_ratio`` (default 0.25): fraction of a request's blocks read, rounded up;
 * ``budget_blocks``: a fixed number of blocks instead (give one of the two);
 * ``sink_blocks`` (default 1), ``local_blocks`` (default 1, at least 1);
-* ``score``: ``"mean"`` (default) or ``"bound"``.
+* ``score``: ``"mean"`` (default) or ``"bound"``;
+* ``min_blocks`` (default 0): requests with fewer blocks are read whole (at
+  short contexts the selection costs more than it saves).
 
 A request whose budget covers all its blocks reads them all (no sparsity):
 short requests are exactly dense.  Prefill and chunked-prefill rows (more
@@ -44,6 +46,7 @@ class BlockTopKOptions:
     sink_blocks: int = 1
     local_blocks: int = 1
     score: str = "mean"
+    min_blocks: int = 0
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "BlockTopKOptions":
@@ -75,7 +78,11 @@ class BlockTopKOptions:
         score = options.get("score", cls.score)
         if score not in ("mean", "bound"):
             raise SparseConfigError(f"block_topk: score: expected 'mean' or 'bound', got {score!r}")
-        return cls(keep_ratio=ratio, budget_blocks=budget, sink_blocks=sinks, local_blocks=local, score=score)
+        floor = options.get("min_blocks", cls.min_blocks)
+        if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+            raise SparseConfigError(f"block_topk: min_blocks: expected an integer >= 0, got {floor!r}")
+        return cls(keep_ratio=ratio, budget_blocks=budget, sink_blocks=sinks, local_blocks=local,
+                   score=score, min_blocks=floor)
 
     def budget(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """Blocks to read for requests of ``num_blocks`` blocks (elementwise)."""
@@ -84,7 +91,10 @@ class BlockTopKOptions:
         else:
             # A small slack keeps 0.25 * 64 at 16, not 17, despite float error.
             keep = torch.ceil(num_blocks.to(torch.float64) * self.keep_ratio - 1e-9).to(num_blocks.dtype)
-        return keep.clamp(min=self.sink_blocks + self.local_blocks)
+        keep = keep.clamp(min=self.sink_blocks + self.local_blocks)
+        if self.min_blocks:
+            keep = torch.where(num_blocks < self.min_blocks, num_blocks, keep)
+        return keep
 
 
 class BlockTopK(SparseMethod):
