@@ -62,9 +62,7 @@ def _wait_loaded(w, req_id: str, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "layer"])
-def test_load_puts_back_the_saved_bytes(store, monkeypatch, mode):
-    # Chunks of 2 blocks: the read of one chunk runs while the last is copied.
-    monkeypatch.setattr(worker_mod, "_CHUNK_NBYTES", 1)
+def test_load_puts_back_the_saved_bytes(store, mode):
     src = _caches(1)
     saver = _worker(store, src)
     keys = _keys(7)
