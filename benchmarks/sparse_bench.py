@@ -16,11 +16,12 @@ true continuation, so every configuration predicts the same positions from
 the same context; vLLM's raw log-probabilities (taken before the processor)
 give the model's own top token and the log-likelihood of the true one.  The
 first continuation token comes from the (always dense) prefill and is left
-out: every figure is over decode steps.  Reported per keep ratio:
+out: every figure is over decode steps.  Reported per configuration (the
+keep ratios, plus ``--extra`` option sets):
 *agreement* (share of positions whose top token equals dense's) and *dLL*
 (mean change of the true token's log-likelihood against dense, nats/token).
 
-Speed: decode tokens/s at batch 1 and 8, dense and each keep ratio: ``S``
+Speed: decode tokens/s at batch 1 and 8, dense and each configuration: ``S``
 decode steps timed between the engine's first-token and last-token
 timestamps (prefill excluded; prompts hit vLLM's prefix cache), the best of
 ``--repeats`` rounds in which the configurations take turns (on a shared
@@ -98,9 +99,19 @@ def force_processor():
     return ForceTokens
 
 
+def label(options: dict | None) -> str:
+    """A configuration's name in tables: "dense", "1/4", "1/4 parts=8"."""
+    if options is None:
+        return "dense"
+    name = f"1/{1 / options['keep_ratio']:.3g}" if "keep_ratio" in options else f"{options['budget_blocks']} blocks"
+    rest = " ".join(f"{k}={v}" for k, v in options.items() if k not in ("keep_ratio", "budget_blocks"))
+    return f"{name} {rest}".strip()
+
+
 class Bench:
-    def __init__(self, args):
+    def __init__(self, args, configs):
         self.args = args
+        self.configs = configs                  # [None (dense)] + block_topk option dicts
         from vllm import LLM
 
         self.llm = LLM(model=args.model, dtype="bfloat16", max_model_len=8192, enforce_eager=True,
@@ -108,15 +119,14 @@ class Bench:
                        max_num_seqs=max(args.batches), seed=0, logits_processors=[force_processor()],
                        disable_log_stats=False)
 
-    def configure(self, ratio: float | None) -> None:
+    def configure(self, options: dict | None) -> None:
         import patches
         from ucm_connector.plugin import apply_sparse
 
-        if ratio is None:
+        if options is None:
             patches.revert()
         else:
-            apply_sparse({"method": "block_topk", "keep_ratio": ratio,
-                          "sink_blocks": self.args.sink_blocks, "local_blocks": self.args.local_blocks})
+            apply_sparse({"method": "block_topk", **options})
 
     def generate(self, prompts, max_tokens, forced=None, logprobs=None):
         from vllm import SamplingParams
@@ -132,65 +142,60 @@ class Bench:
         return outs, time.perf_counter() - t0
 
     def quality(self, contexts, texts, forced_n):
-        """{context: {ratio|None: (top tokens, true-token logprobs)}} per text and position."""
+        """{context: {label: (top tokens, true-token logprobs)}} per text and position."""
         out = {}
         for n in contexts:
             prompts = [ids[:n] for _, ids in texts]
             truth = [ids[n:n + forced_n] for _, ids in texts]
             out[n] = {}
-            for ratio in [None] + self.args.ratios:
-                self.configure(ratio)
+            for options in self.configs:
+                self.configure(options)
                 outs, seconds = self.generate(prompts, forced_n, forced=truth, logprobs=1)
                 tops, lls = [], []
                 for o, want in zip(outs, truth):
                     got = o.outputs[0]
                     assert list(got.token_ids) == list(want), "teacher forcing failed"
-                    top_row, ll_row = [], []
-                    for pos, lp in enumerate(got.logprobs):
-                        top_row.append(next(t for t, v in lp.items() if v.rank == 1))
-                        ll_row.append(lp[want[pos]].logprob)
-                    tops.append(top_row)
-                    lls.append(ll_row)
-                out[n][ratio] = (tops, lls)
-                print(f"quality: context {n}, keep {ratio or 'dense'}: {seconds:.1f} s", file=sys.stderr)
+                    tops.append([next(t for t, v in lp.items() if v.rank == 1) for lp in got.logprobs])
+                    lls.append([lp[want[pos]].logprob for pos, lp in enumerate(got.logprobs)])
+                out[n][label(options)] = (tops, lls)
+                print(f"quality: context {n}, {label(options)}: {seconds:.1f} s", file=sys.stderr)
         self.configure(None)
         return out
 
     def speed(self, contexts, texts, batches, steps, repeats):
-        """{(context, batch, ratio|None): decode tokens/s}: the best of
-        ``repeats`` rounds, configurations taking turns within each round.
-        Other work on the machine only ever slows a round down, so the best
-        round is the closest to what the configuration does on its own."""
+        """{(context, batch, label): decode tokens/s}: the best of ``repeats``
+        rounds, configurations taking turns within each round.  Other work
+        on the machine only ever slows a round down, so the best round is
+        the closest to what the configuration does on its own."""
         out = {}
-        configs = [None] + self.args.ratios
         for n in contexts:
             for batch in batches:
                 prompts = [ids[:n] for _, ids in texts[:batch]]
                 self.configure(None)
                 self.generate(prompts, 1)            # prefill into the prefix cache, untimed
-                rates = {ratio: [] for ratio in configs}
+                rates: dict[str, list[float]] = {label(o): [] for o in self.configs}
                 for _ in range(repeats):
-                    for ratio in configs:
-                        self.configure(ratio)
+                    for options in self.configs:
+                        self.configure(options)
                         outs, _ = self.generate(prompts, 1 + steps)
                         first = max(o.metrics.first_token_ts for o in outs)
                         last = max(o.metrics.last_token_ts for o in outs)
-                        rates[ratio].append(batch * steps / max(last - first, 1e-9))
-                for ratio in configs:
-                    out[(n, batch, ratio)] = max(rates[ratio])
-                    print(f"speed: context {n}, batch {batch}, keep {ratio or 'dense'}: "
-                          f"{out[(n, batch, ratio)]:.1f} tok/s ({', '.join(f'{r:.1f}' for r in rates[ratio])})",
-                          file=sys.stderr)
+                        rates[label(options)].append(batch * steps / max(last - first, 1e-9))
+                for name, got in rates.items():
+                    out[(n, batch, name)] = max(got)
+                    print(f"speed: context {n}, batch {batch}, {name}: {max(got):.1f} tok/s "
+                          f"({', '.join(f'{r:.1f}' for r in got)})", file=sys.stderr)
         self.configure(None)
         return out
 
 
-def summarize(quality, speed, args):
+def summarize(quality, speed, configs, args):
     rows = []
-    for n, by_ratio in quality.items():
-        dense_tops, dense_lls = by_ratio[None]
-        for ratio in args.ratios:
-            tops, lls = by_ratio[ratio]
+    for n, by_label in quality.items():
+        dense_tops, dense_lls = by_label["dense"]
+        for options in configs[1:]:
+            name = label(options)
+            tops, lls = by_label[name]
             agree = total = 0
             dll = 0.0
             for t_d, t_s, l_d, l_s in zip(dense_tops, tops, dense_lls, lls):
@@ -198,11 +203,11 @@ def summarize(quality, speed, args):
                     agree += t_d[pos] == t_s[pos]
                     dll += l_s[pos] - l_d[pos]
                     total += 1
-            row = {"context": n, "keep_ratio": ratio, "agreement": agree / total, "dll": dll / total,
-                   "positions": total}
+            row = {"context": n, "config": name, "options": options, "agreement": agree / total,
+                   "dll": dll / total, "positions": total}
             for batch in args.batches:
-                dense_rate = speed.get((n, batch, None))
-                rate = speed.get((n, batch, ratio))
+                dense_rate = speed.get((n, batch, "dense"))
+                rate = speed.get((n, batch, name))
                 if dense_rate and rate:
                     row[f"tok_s_b{batch}"] = rate
                     row[f"dense_tok_s_b{batch}"] = dense_rate
@@ -219,8 +224,7 @@ def markdown(rows, args) -> str:
         sep += "---|---|"
     lines = [head, sep]
     for r in rows:
-        keep = f"1/{round(1 / r['keep_ratio'])}"
-        line = f"| {r['context']} | {keep} | {100 * r['agreement']:.1f}% | {r['dll']:+.3f} |"
+        line = f"| {r['context']} | {r['config']} | {100 * r['agreement']:.1f}% | {r['dll']:+.3f} |"
         for b in args.batches:
             if f"tok_s_b{b}" in r:
                 line += f" {r[f'tok_s_b{b}']:.1f} ({r[f'dense_tok_s_b{b}']:.1f}) | {r[f'speedup_b{b}']:.2f}x |"
@@ -238,18 +242,26 @@ def plot(rows, args, path: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     contexts = sorted({r["context"] for r in rows})
+    ratio_rows = [r for r in rows if set(r["options"]) == {"keep_ratio"}]
+    extra_rows = [r for r in rows if r not in ratio_rows]
     for n in contexts:
-        rs = sorted((r for r in rows if r["context"] == n), key=lambda r: -r["keep_ratio"])
-        ax1.plot([1 / r["keep_ratio"] for r in rs], [100 * r["agreement"] for r in rs], "o-", label=f"{n} tokens")
+        rs = sorted((r for r in ratio_rows if r["context"] == n), key=lambda r: -r["options"]["keep_ratio"])
+        ax1.plot([1 / r["options"]["keep_ratio"] for r in rs], [100 * r["agreement"] for r in rs], "o-",
+                 label=f"{n} tokens")
         for b in args.batches:
-            pts = [(r[f"speedup_b{b}"], 100 * r["agreement"], r["keep_ratio"]) for r in rs if f"speedup_b{b}" in r]
+            pts = [(r[f"speedup_b{b}"], 100 * r["agreement"], r["config"]) for r in rs if f"speedup_b{b}" in r]
             if pts:
                 ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if b > 1 else "s--",
                          label=f"{n} tokens, batch {b}")
                 if n == contexts[-1] and b == max(args.batches):
-                    for x, y, k in pts:
-                        ax2.annotate(f"1/{round(1 / k)}", (x, y), textcoords="offset points", xytext=(4, 4),
-                                     fontsize=8)
+                    for x, y, name in pts:
+                        ax2.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for r in extra_rows:
+        b = max(args.batches)
+        if r["context"] == contexts[-1] and f"speedup_b{b}" in r:
+            ax2.plot([r[f"speedup_b{b}"]], [100 * r["agreement"]], "k*", markersize=9)
+            ax2.annotate(f"{r['config']} ({r['context']}, batch {b})", (r[f"speedup_b{b}"], 100 * r["agreement"]),
+                         textcoords="offset points", xytext=(4, -10), fontsize=8)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("1 / keep ratio (blocks read = ratio x context blocks)")
     ax1.set_ylabel("teacher-forced top-1 agreement with dense (%)")
@@ -274,15 +286,16 @@ def main() -> int:
                     help="prompt tokens; one past a block boundary, so that a prefix-cache hit "
                          "recomputes one token, not a whole block")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25, 0.125, 0.0625])
+    ap.add_argument("--extra", action="append", default=None, metavar="JSON",
+                    help="another block_topk configuration, as its options (repeatable); "
+                         "default: '{\"keep_ratio\": 0.25, \"parts\": 8}'")
     ap.add_argument("--texts", type=int, default=8, help="requests per quality batch")
-    ap.add_argument("--forced", type=int, default=32, help="teacher-forced tokens per request")
+    ap.add_argument("--forced", type=int, default=64, help="teacher-forced tokens per request")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--speed-steps", type=int, default=16)
     ap.add_argument("--speed-contexts", type=int, nargs="+", default=None,
                     help="contexts for the speed runs (default: all)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sink-blocks", type=int, default=1)
-    ap.add_argument("--local-blocks", type=int, default=1)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--json")
@@ -296,15 +309,17 @@ def main() -> int:
     t0 = time.perf_counter()
     need = max(args.contexts) + args.forced
     texts = load_texts(os.path.join(args.model, "tokenizer.json"), max(args.texts, max(args.batches)), need)
-    bench = Bench(args)
+    extras = [json.loads(e) for e in (args.extra if args.extra is not None else ['{"keep_ratio": 0.25, "parts": 8}'])]
+    configs = [None] + [{"keep_ratio": r} for r in args.ratios] + extras
+    bench = Bench(args, configs)
     quality = {} if args.skip_quality else bench.quality(args.contexts, texts[:args.texts], args.forced)
     speed = bench.speed(args.speed_contexts or args.contexts, texts, args.batches, args.speed_steps,
                         args.repeats)
     if args.skip_quality:
-        for (n, b, r), v in sorted(speed.items(), key=lambda kv: (kv[0][0], kv[0][1], -(kv[0][2] or 2))):
-            print(f"context {n} batch {b} keep {r or 'dense'}: {v:.1f} tok/s")
+        for (n, b, name), v in speed.items():
+            print(f"context {n} batch {b} {name}: {v:.1f} tok/s")
         return 0
-    rows = summarize(quality, speed, args)
+    rows = summarize(quality, speed, configs, args)
     table = markdown(rows, args)
     print(table)
     print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)

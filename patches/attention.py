@@ -19,6 +19,7 @@ vLLM would.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from typing import Any, Callable
 
@@ -32,10 +33,21 @@ logger = logging.getLogger("vllm.ucm_connector.patches")
 _FORWARD_PARAMS = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
 
 
+@functools.lru_cache(maxsize=4096)
+def _layer_index(layer_name: str) -> int | None:
+    """The first integer in a vLLM layer name ("model.layers.7.self_attn.attn" -> 7)."""
+    for part in layer_name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
 def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int, pages: Any):
     num_tokens = md.num_actual_tokens
+    name = getattr(layer, "layer_name", str(id(layer)))
     return AttentionBatch(
-        layer_name=getattr(layer, "layer_name", str(id(layer))),
+        layer_name=name,
+        layer_index=_layer_index(name),
         query=query[:num_tokens],
         key=key[:num_tokens],
         slot_mapping=md.slot_mapping[:num_tokens],

@@ -75,15 +75,14 @@ class CpuKeyPages(KeyPages):
         pages = self._keys.index_select(0, block_ids).index_select(2, self._perm)
         return pages.view(-1, self.num_kv_heads, self.block_size, self.head_size).transpose(1, 2)
 
-    def reduce(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._transposed:
-            pages = self._keys.index_select(0, block_ids).view(-1, self.num_kv_heads, self.head_size,
-                                                               self.block_size)
-            kmin, kmax = torch.aminmax(pages, dim=-1)
-            return kmin, kmax, pages.sum(dim=-1, dtype=torch.float32)
-        keys = self.read(block_ids)
-        kmin, kmax = torch.aminmax(keys, dim=1)
-        return kmin, kmax, keys.sum(dim=1, dtype=torch.float32)
+    def reduce(self, block_ids: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self._transposed:
+            return super().reduce(block_ids, parts)
+        pages = self._keys.index_select(0, block_ids).view(-1, self.num_kv_heads, self.head_size,
+                                                           self.block_size)
+        kmin, kmax = torch.aminmax(pages, dim=-1)
+        sums = pages.view(*pages.shape[:3], parts, -1).sum(dim=-1, dtype=torch.float32)
+        return kmin, kmax, sums.permute(0, 3, 1, 2)
 
     def probe(self, block_ids: torch.Tensor) -> torch.Tensor:
         return self._keys[:, 0].index_select(0, block_ids).index_select(1, self._probe_at)

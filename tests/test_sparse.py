@@ -67,10 +67,11 @@ def test_keys_read_back_from_pages_equal_the_keys_written(isa):
     pages = key_pages(cache.kv, isa, HEAD, "auto")
     blocks = torch.tensor([7, 3])
     assert torch.equal(pages.read(blocks).reshape(2 * BLOCK, KV_HEADS, HEAD), keys)
-    kmin, kmax, ksum = pages.reduce(blocks)
+    kmin, kmax, sums = pages.reduce(blocks, 4)
     assert torch.equal(kmin, keys.view(2, BLOCK, KV_HEADS, HEAD).amin(1))
     assert torch.equal(kmax, keys.view(2, BLOCK, KV_HEADS, HEAD).amax(1))
-    assert torch.allclose(ksum, keys.view(2, BLOCK, KV_HEADS, HEAD).float().sum(1), atol=1e-3)
+    want = keys.view(2, 4, BLOCK // 4, KV_HEADS, HEAD).float().sum(2)
+    assert torch.allclose(sums, want, atol=1e-3)
     tokens = torch.arange(BLOCK)
     want = keys.view(2, BLOCK, KV_HEADS, HEAD)[:, tokens, 0, tokens % HEAD]
     assert torch.equal(pages.probe(blocks), want)
@@ -204,7 +205,7 @@ class Step:
         # The summaries of earlier steps, fed as one "prefill" call.
         qsl = torch.tensor([0, keys.shape[0]], dtype=torch.int32)
         return AttentionBatch(
-            layer_name="layer.0", query=torch.zeros(keys.shape[0], HEADS, HEAD, dtype=torch.bfloat16),
+            layer_name="layer.0", layer_index=0, query=torch.zeros(keys.shape[0], HEADS, HEAD, dtype=torch.bfloat16),
             key=keys, slot_mapping=slots, query_start_loc=qsl,
             seq_lens=torch.tensor([keys.shape[0]], dtype=torch.int32),
             block_table=self.table[:1], block_size=BLOCK, num_cache_blocks=24, num_kv_heads=KV_HEADS,
@@ -212,15 +213,15 @@ class Step:
 
     def batch(self):
         return AttentionBatch(
-            layer_name="layer.0", query=self.query, key=self.step_keys, slot_mapping=self.step_slots,
+            layer_name="layer.0", layer_index=0, query=self.query, key=self.step_keys, slot_mapping=self.step_slots,
             query_start_loc=self.qsl, seq_lens=self.seq_lens, block_table=self.table, block_size=BLOCK,
             num_cache_blocks=24, num_kv_heads=KV_HEADS, head_size=HEAD, scale=self.scale,
             pages=key_pages(self.cache.kv, "vec", HEAD, "auto"))
 
 
-@pytest.mark.parametrize("score", ["mean", "bound"])
-def test_block_topk_reads_sinks_the_hot_block_and_the_local_window_in_order(score):
-    method = BlockTopK.from_config({"budget_blocks": 3, "score": score})
+@pytest.mark.parametrize("score, parts", [("mean", 1), ("mean", 4), ("bound", 1)])
+def test_block_topk_reads_sinks_the_hot_block_and_the_local_window_in_order(score, parts):
+    method = BlockTopK.from_config({"budget_blocks": 3, "score": score, "parts": parts})
     step = Step(method, hot_block=6)
     sel = method.before_attention(step.batch())
     assert sel is not None
@@ -280,9 +281,10 @@ def test_blocks_loaded_behind_the_forward_get_summaries_from_their_pages():
     assert method.stats().blocks_summarized_from_pages == 9
 
 
-def test_blocks_never_seen_get_summaries_from_their_pages():
-    step = Step(BlockTopK.from_config({"budget_blocks": 3}), hot_block=6)
-    fresh = BlockTopK.from_config({"budget_blocks": 3})
+@pytest.mark.parametrize("parts", [1, 8])
+def test_blocks_never_seen_get_summaries_from_their_pages(parts):
+    step = Step(BlockTopK.from_config({"budget_blocks": 3, "parts": parts}), hot_block=6)
+    fresh = BlockTopK.from_config({"budget_blocks": 3, "parts": parts})
     sel = fresh.before_attention(step.batch())
     assert sel.block_table[0, :3].tolist() == [step.tables[0][0], step.tables[0][6], step.tables[0][9]]
     assert fresh.stats().blocks_summarized_from_pages == 10

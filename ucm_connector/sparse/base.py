@@ -68,6 +68,7 @@ class AttentionBatch:
     """
 
     layer_name: str
+    layer_index: int | None       # position of the layer in the model, when its name tells
     query: Any                    # [num_tokens, num_heads, head_size]
     key: Any | None               # [num_tokens, num_kv_heads, head_size]
     slot_mapping: Any | None      # [num_tokens], -1 for padding
@@ -93,11 +94,15 @@ class KeyPages(abc.ABC):
     def read(self, block_ids: Any) -> Any:
         """Keys of whole blocks: ``[n, block_size, num_kv_heads, head_size]``."""
 
-    def reduce(self, block_ids: Any) -> tuple[Any, Any, Any]:
-        """Elementwise min, max and (fp32) sum over all tokens of full
-        blocks: three ``[n, num_kv_heads, head_size]``."""
+    def reduce(self, block_ids: Any, parts: int) -> tuple[Any, Any, Any]:
+        """For full blocks: elementwise min and max over all tokens
+        (``[n, num_kv_heads, head_size]`` each) and the fp32 sum over each
+        of ``parts`` equal slices of the tokens (``[n, parts, num_kv_heads,
+        head_size]``)."""
         keys = self.read(block_ids)
-        return keys.amin(dim=1), keys.amax(dim=1), keys.float().sum(dim=1)
+        n, block_size = keys.shape[:2]
+        sums = keys.float().view(n, parts, block_size // parts, *keys.shape[2:]).sum(dim=2)
+        return keys.amin(dim=1), keys.amax(dim=1), sums
 
     @abc.abstractmethod
     def probe(self, block_ids: Any) -> Any:

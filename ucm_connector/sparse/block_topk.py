@@ -46,6 +46,7 @@ class BlockTopKOptions:
     sink_blocks: int = 1
     local_blocks: int = 1
     score: str = "mean"
+    parts: int = 1
     min_blocks: int = 0
 
     @classmethod
@@ -81,8 +82,11 @@ class BlockTopKOptions:
         floor = options.get("min_blocks", cls.min_blocks)
         if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
             raise SparseConfigError(f"block_topk: min_blocks: expected an integer >= 0, got {floor!r}")
+        parts = options.get("parts", cls.parts)
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or parts & (parts - 1):
+            raise SparseConfigError(f"block_topk: parts: expected a power of two >= 1, got {parts!r}")
         return cls(keep_ratio=ratio, budget_blocks=budget, sink_blocks=sinks, local_blocks=local,
-                   score=score, min_blocks=floor)
+                   score=score, parts=parts, min_blocks=floor)
 
     def budget(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """Blocks to read for requests of ``num_blocks`` blocks (elementwise)."""
@@ -136,8 +140,9 @@ class BlockTopK(SparseMethod):
         layer = self._layers.get(batch.layer_name)
         if layer is None or layer.num_blocks < batch.num_cache_blocks:
             # fp32 summaries: scoring reads them as fp32 without a conversion.
+            parts = self.options.parts if batch.block_size % self.options.parts == 0 else 1
             layer = LayerSummaries(batch.num_cache_blocks, batch.block_size, batch.num_kv_heads,
-                                   batch.head_size, torch.float32, batch.query.device)
+                                   batch.head_size, torch.float32, batch.query.device, parts=parts)
             self._layers[batch.layer_name] = layer
         return layer
 
@@ -207,16 +212,22 @@ class BlockTopK(SparseMethod):
         """Estimated share of each block in the attention of each row's query."""
         q = batch.query.index_select(0, plan.q_index).float()          # [n, Hq, D]
         n, num_heads, d = q.shape
-        q = q.view(n * batch.num_kv_heads, num_heads // batch.num_kv_heads, d)
-        rows = layer.bounds.view(-1, 3 * d).index_select(0, plan.head_index)
-        rows = rows.view(n * batch.num_kv_heads, plan.width, 3 * d)
+        h, width = batch.num_kv_heads, plan.width
+        q = q.view(n * h, num_heads // h, d)
         if self.options.score == "bound":
+            rows = layer.minmax.view(-1, 2 * d).index_select(0, plan.head_index).view(n * h, width, 2 * d)
             q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
-            logits = torch.bmm(q, rows[:, :, :2 * d].transpose(1, 2)).view(n, num_heads, plan.width)
+            logits = torch.bmm(q, rows.transpose(1, 2)).view(n, num_heads, width).mul_(batch.scale)
         else:
-            logits = torch.bmm(q, rows[:, :, 2 * d:].transpose(1, 2)).view(n, num_heads, plan.width)
-            logits.div_(layer.count.index_select(0, plan.table_flat).view(n, 1, plan.width).clamp(min=1))
-        logits.mul_(batch.scale).masked_fill_(plan.invalid3, float("-inf"))
+            parts = layer.parts
+            index = plan.part_index(parts, h)
+            rows = layer.part_sum.view(-1, d).index_select(0, index).view(n * h, width * parts, d)
+            logits = torch.bmm(q, rows.transpose(1, 2)).view(n, num_heads, width, parts)
+            count = layer.part_count.view(-1).index_select(0, plan.count_index(parts)).view(n, 1, width, parts)
+            # A block's mass ~ sum over its slices of count * exp(scale * q . mean).
+            logits.div_(count.clamp(min=1)).mul_(batch.scale).add_(count.log())
+            logits = logits.logsumexp(dim=-1) if parts > 1 else logits.squeeze(-1)
+        logits.masked_fill_(plan.invalid3, float("-inf"))
         return logits.softmax(dim=-1).mean(dim=1)
 
 
@@ -255,9 +266,11 @@ class _StepPlan:
         self.invalid3 = ~self.valid[:, None, :]
         table = batch.block_table[rows, :self.width].to(torch.int64)
         self.table = torch.where(self.valid, table, torch.zeros_like(table))
-        # Rows of the [num_blocks * H, 2D] bounds, in (row, head, position) order.
+        # Rows of the [num_blocks * H, 2D] min/max, in (row, head, position) order.
         heads = torch.arange(batch.num_kv_heads, device=device).view(1, -1, 1)
         self.head_index = (self.table.unsqueeze(1) * batch.num_kv_heads + heads).flatten()
+        self._part_index: dict[int, torch.Tensor] = {}
+        self._count_index: dict[int, torch.Tensor] = {}
         self.table_flat = self.table.flatten()
         self.last_fill = seq_lens[rows].to(torch.int64) - (self.n_rows - 1) * block_size
         self.fills = torch.where(pos == (self.n_rows - 1).unsqueeze(1), self.last_fill.unsqueeze(1),
@@ -270,6 +283,23 @@ class _StepPlan:
         self.block_table = batch.block_table.clone()
         self.seq_lens = seq_lens.clone()
         self.seq_lens[rows] = ((self.keep_rows - 1) * block_size + self.last_fill).to(seq_lens.dtype)
+
+    def part_index(self, parts: int, num_kv_heads: int) -> torch.Tensor:
+        """Rows of the [num_blocks * parts * H, D] slice sums, in (row, head,
+        position, slice) order."""
+        if parts not in self._part_index:
+            device = self.table.device
+            blocks = self.table.view(self.num_rows, 1, self.width, 1)
+            slices = torch.arange(parts, device=device).view(1, 1, 1, -1)
+            heads = torch.arange(num_kv_heads, device=device).view(1, -1, 1, 1)
+            self._part_index[parts] = ((blocks * parts + slices) * num_kv_heads + heads).flatten()
+        return self._part_index[parts]
+
+    def count_index(self, parts: int) -> torch.Tensor:
+        if parts not in self._count_index:
+            slices = torch.arange(parts, device=self.table.device).view(1, 1, -1)
+            self._count_index[parts] = (self.table.unsqueeze(2) * parts + slices).flatten()
+        return self._count_index[parts]
 
     def matches(self, batch: AttentionBatch) -> bool:
         return self.refs == _refs(batch)

@@ -64,11 +64,18 @@ class WritePlan:
         self._index: torch.Tensor | None = None
         self._probe_dims: torch.Tensor | None = None
         self._ones: torch.Tensor | None = None
+        self._parts: tuple[int, torch.Tensor] | None = None
 
     def probe_dims(self, head_size: int) -> torch.Tensor:
         if self._probe_dims is None:
             self._probe_dims = self.offsets % head_size
         return self._probe_dims
+
+    def parts(self, parts: int, part_size: int) -> torch.Tensor:
+        """Row of each token in a ``[num_blocks * parts]`` view."""
+        if self._parts is None or self._parts[0] != parts:
+            self._parts = (parts, self.blocks * parts + torch.div(self.offsets, part_size, rounding_mode="floor"))
+        return self._parts[1]
 
     def ones(self, dtype: torch.dtype) -> torch.Tensor:
         if self._ones is None or self._ones.dtype != dtype:
@@ -83,22 +90,26 @@ class WritePlan:
 
 
 class LayerSummaries:
-    """Max, min and sum of each block's keys for one layer, side by side in
-    ``bounds`` ``[num_blocks, H, 3 * D]``, and each block's token count: one
-    gather serves every score (Quest's bound is a matmul against
-    ``[max(q, 0), min(q, 0)]``; the mean key's score one against the sum)."""
+    """What one layer knows of each cache block's keys, per KV head: their
+    elementwise max and min side by side (``minmax`` ``[num_blocks, H, 2D]``:
+    Quest's bound is one matmul against ``[max(q, 0), min(q, 0)]``), and the
+    sum and count of the keys of each of the block's ``parts`` equal slices
+    (``part_sum`` ``[num_blocks, parts, H, D]``, ``part_count``): the mean key
+    of a slice, finer than the block's, keeps a few strong keys from being
+    averaged away over 128 tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, parts: int = 1) -> None:
         d = head_size
-        self.bounds = torch.empty((num_blocks, num_kv_heads, 3 * d), dtype=dtype, device=device)
-        self.kmax = self.bounds[:, :, :d]
-        self.kmin = self.bounds[:, :, d:2 * d]
-        self.ksum = self.bounds[:, :, 2 * d:]
+        self.minmax = torch.empty((num_blocks, num_kv_heads, 2 * d), dtype=dtype, device=device)
+        self.kmax = self.minmax[:, :, :d]
+        self.kmin = self.minmax[:, :, d:]
         self.kmax.fill_(float("-inf"))
         self.kmin.fill_(float("inf"))
-        self.ksum.zero_()
-        self.count = torch.zeros(num_blocks, dtype=dtype, device=device)
+        self.parts = parts
+        self.part_size = block_size // parts
+        self.part_sum = torch.zeros((num_blocks, parts, num_kv_heads, d), dtype=dtype, device=device)
+        self.part_count = torch.zeros((num_blocks, parts), dtype=dtype, device=device)
         # Epoch at which each block's summary was started; -1 = never.
         self.made_at = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         # Per token, the key element KeyPages.probe reads (kv head 0, dim
@@ -109,7 +120,7 @@ class LayerSummaries:
 
     @property
     def num_blocks(self) -> int:
-        return self.kmin.shape[0]
+        return self.minmax.shape[0]
 
     def add_keys(self, key: torch.Tensor, plan: "WritePlan", epochs: torch.Tensor) -> None:
         """Fold the keys just written (``plan`` says where) into their
@@ -123,17 +134,18 @@ class LayerSummaries:
         if plan.starts.numel():
             self.kmin.index_fill_(0, plan.starts, float("inf"))
             self.kmax.index_fill_(0, plan.starts, float("-inf"))
-            self.ksum.index_fill_(0, plan.starts, 0.0)
-            self.count.index_fill_(0, plan.starts, 0.0)
+            self.part_sum.index_fill_(0, plan.starts, 0.0)
+            self.part_count.index_fill_(0, plan.starts, 0.0)
             self.made_at.index_copy_(0, plan.starts, epochs.index_select(0, plan.starts))
         self.probe[plan.blocks, plan.offsets] = key[:, 0].gather(
             1, plan.probe_dims(self._head_size).unsqueeze(1)).squeeze(1).to(self.probe.dtype)
-        key = key.to(self.bounds.dtype)
+        key = key.to(self.minmax.dtype)
         index = plan.index(key.shape[1:])
         self.kmin.scatter_reduce_(0, index, key, "amin")
         self.kmax.scatter_reduce_(0, index, key, "amax")
-        self.ksum.index_add_(0, plan.blocks, key)
-        self.count.index_add_(0, plan.blocks, plan.ones(self.count.dtype))
+        parts = plan.parts(self.parts, self.part_size)
+        self.part_sum.view(-1, *key.shape[1:]).index_add_(0, parts, key)
+        self.part_count.view(-1).index_add_(0, parts, plan.ones(self.part_count.dtype))
 
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
@@ -157,19 +169,22 @@ class LayerSummaries:
         blocks, fills, now = blocks[redo], fills[redo], now[redo]
         full = fills == block_size
         if bool(full.any()):
-            kmin, kmax, ksum = pages.reduce(blocks[full])
+            kmin, kmax, part_sum = pages.reduce(blocks[full], self.parts)
             self.kmin.index_copy_(0, blocks[full], kmin.to(self.kmin.dtype))
             self.kmax.index_copy_(0, blocks[full], kmax.to(self.kmax.dtype))
-            self.ksum.index_copy_(0, blocks[full], ksum.to(self.ksum.dtype))
+            self.part_sum.index_copy_(0, blocks[full], part_sum.to(self.part_sum.dtype))
         if not bool(full.all()):
-            part, part_fills = blocks[~full], fills[~full]
-            keys = pages.read(part).to(self.bounds.dtype)  # [n, B, H, D]
+            some, some_fills = blocks[~full], fills[~full]
+            keys = pages.read(some).to(self.minmax.dtype)  # [n, B, H, D]
             pad = (torch.arange(block_size, device=keys.device).unsqueeze(0)
-                   >= part_fills.unsqueeze(1))[:, :, None, None]
-            self.kmin.index_copy_(0, part, keys.masked_fill(pad, float("inf")).amin(dim=1))
-            self.kmax.index_copy_(0, part, keys.masked_fill(pad, float("-inf")).amax(dim=1))
-            self.ksum.index_copy_(0, part, keys.masked_fill(pad, 0.0).sum(dim=1))
-        self.count.index_copy_(0, blocks, fills.to(self.count.dtype))
+                   >= some_fills.unsqueeze(1))[:, :, None, None]
+            self.kmin.index_copy_(0, some, keys.masked_fill(pad, float("inf")).amin(dim=1))
+            self.kmax.index_copy_(0, some, keys.masked_fill(pad, float("-inf")).amax(dim=1))
+            part_sum = keys.masked_fill(pad, 0.0).view(len(some), self.parts, self.part_size, *keys.shape[2:])
+            self.part_sum.index_copy_(0, some, part_sum.sum(dim=2))
+        starts = torch.arange(self.parts, device=blocks.device) * self.part_size
+        self.part_count.index_copy_(0, blocks, (fills.unsqueeze(1) - starts).clamp(0, self.part_size)
+                                    .to(self.part_count.dtype))
         self.probe.index_copy_(0, blocks, now.masked_fill(
             torch.arange(block_size, device=blocks.device).unsqueeze(0) >= fills.unsqueeze(1), float("nan")))
         return int(same.sum()), int(blocks.numel())
