@@ -261,7 +261,7 @@ def plot(rows, args, path: str) -> None:
         if r["context"] == contexts[-1] and f"speedup_b{b}" in r:
             ax2.plot([r[f"speedup_b{b}"]], [100 * r["agreement"]], "k*", markersize=9)
             ax2.annotate(f"{r['config']} ({r['context']}, batch {b})", (r[f"speedup_b{b}"], 100 * r["agreement"]),
-                         textcoords="offset points", xytext=(4, -10), fontsize=8)
+                         textcoords="offset points", xytext=(-30, -16), fontsize=8)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("1 / keep ratio (blocks read = ratio x context blocks)")
     ax1.set_ylabel("teacher-forced top-1 agreement with dense (%)")
@@ -301,7 +301,21 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     ap.add_argument("--png")
+    ap.add_argument("--from-json", metavar="PATH", help="re-render the table and plot of an earlier --json")
     args = ap.parse_args()
+
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        args.batches = saved["args"]["batches"]
+        table = markdown(saved["rows"], args)
+        print(table)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(table)
+        if args.png:
+            plot(saved["rows"], args, args.png)
+        return 0
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

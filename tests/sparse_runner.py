@@ -13,6 +13,7 @@ Spec::
     {"model": DIR, "max_model_len": 4096, "prefix_caching": false,
      "max_num_batched_tokens": 256,
      "num_blocks": N,                # KV cache blocks (num_gpu_blocks_override)
+     "enforce_eager": true,          # false: torch.compile, attention as a split point
      "store": URL | null,            # UCMConnector with this store, or none
      "extra_config": {...},          # more kv_connector_extra_config keys
      "sparse": {...} | null,         # a method on from the start (and in extra_config)
@@ -105,7 +106,8 @@ def build_llm(spec: dict):
 
     kwargs = dict(
         model=spec["model"], dtype="bfloat16", max_model_len=int(spec.get("max_model_len", 4096)),
-        enforce_eager=True, enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
+        enforce_eager=bool(spec.get("enforce_eager", True)),
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
     )
     if spec.get("num_blocks"):

@@ -85,15 +85,20 @@ def test_a_quantized_cache_has_no_page_reader():
 
 def test_summaries_follow_written_keys_and_restart_at_offset_zero():
     epochs = BlockEpochs().get(8, torch.device("cpu"))
-    s = LayerSummaries(8, BLOCK, KV_HEADS, HEAD, torch.bfloat16, torch.device("cpu"))
+    s = LayerSummaries(8, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4)
     old = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16) * 10
-    s.add_keys(old, WritePlan(torch.arange(BLOCK) + 5 * BLOCK, BLOCK), epochs)          # block 5, another request
+    s.add_keys(old, WritePlan(torch.arange(BLOCK) + 5 * BLOCK, BLOCK), epochs)   # another request's
     keys = torch.randn(200, KV_HEADS, HEAD).to(torch.bfloat16)
     slots = torch.tensor(_slots([5, 2], 0, 200))
-    s.add_keys(keys[:150], WritePlan(slots[:150], BLOCK), epochs)                        # a prefill chunk
-    s.add_keys(keys[150:], WritePlan(slots[150:], BLOCK), epochs)                        # the rest
-    assert torch.equal(s.kmin[5], keys[:BLOCK].amin(0)) and torch.equal(s.kmax[5], keys[:BLOCK].amax(0))
-    assert torch.equal(s.kmin[2], keys[BLOCK:].amin(0)) and torch.equal(s.kmax[2], keys[BLOCK:].amax(0))
+    s.add_keys(keys[:150], WritePlan(slots[:150], BLOCK), epochs)                 # a prefill chunk
+    s.add_keys(keys[150:], WritePlan(slots[150:], BLOCK), epochs)                 # the rest
+    first, second = keys[:BLOCK].float(), keys[BLOCK:].float()
+    assert torch.equal(s.kmin[5], first.amin(0)) and torch.equal(s.kmax[5], first.amax(0))
+    assert torch.equal(s.kmin[2], second.amin(0)) and torch.equal(s.kmax[2], second.amax(0))
+    assert torch.allclose(s.part_sum[5], first.view(4, 32, KV_HEADS, HEAD).sum(1), atol=1e-4)
+    assert s.part_count[5].tolist() == [32, 32, 32, 32]
+    assert s.part_count[2].tolist() == [32, 32, 8, 0]
+    assert torch.allclose(s.part_sum[2, :2], second[:64].view(2, 32, KV_HEADS, HEAD).sum(1), atol=1e-4)
     assert not s.stale(torch.tensor([5, 2]), epochs).any()
 
 
@@ -101,7 +106,7 @@ def test_blocks_filled_behind_the_forward_are_stale_until_rebuilt_from_their_pag
     cache = Cache()
     counter = BlockEpochs()
     epochs = counter.get(24, torch.device("cpu"))
-    s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.bfloat16, torch.device("cpu"))
+    s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4)
     first = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
     s.add_keys(first, WritePlan(torch.arange(BLOCK) + 4 * BLOCK, BLOCK), epochs)
     # A connector load puts other content in block 4 without a forward.
@@ -112,7 +117,9 @@ def test_blocks_filled_behind_the_forward_are_stale_until_rebuilt_from_their_pag
     assert s.stale(torch.tensor([4]), epochs).all()
     pages = key_pages(cache.kv, "vec", HEAD, "auto")
     assert s.refresh(torch.tensor([4]), torch.tensor([100]), epochs, pages) == (0, 1)
-    assert torch.equal(s.kmin[4], loaded.amin(0)) and torch.equal(s.kmax[4], loaded.amax(0))
+    assert torch.equal(s.kmin[4], loaded.float().amin(0)) and torch.equal(s.kmax[4], loaded.float().amax(0))
+    assert s.part_count[4].tolist() == [32, 32, 32, 4]
+    assert torch.allclose(s.part_sum[4, 3], loaded[96:].float().sum(0), atol=1e-4)
     assert not s.stale(torch.tensor([4]), epochs).any()
 
 

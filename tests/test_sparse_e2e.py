@@ -13,6 +13,9 @@ Engines (started once per module, one at a time):
   batch: 1,500 and 1,100 tokens (chunked prefill at 256 tokens a step, so
   decode rows share steps with prefill chunks) and 200 tokens (shorter than
   any budget).
+* ``compiled``: ``main``'s first steps with torch.compile on
+  (``enforce_eager=False``), where the attention op is a split point of the
+  compiled graph.
 * ``loads``: UCMConnector on a fresh disk store and a KV cache of 12 blocks,
   so that every request reuses the same physical blocks: P is computed, then
   loaded from the store twice, once into blocks that held P and once into
@@ -137,6 +140,33 @@ def test_revert_restores_dense_in_the_same_process(main_run):
     assert main_run["reverted"]["patched"] is False
     assert main_run["reverted"]["outputs"] == main_run["dense"]["outputs"]
     assert main_run["reverted"]["kernel"] == main_run["dense"]["kernel"]
+
+
+# -- compiled model -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled_run():
+    prompts = [LONG1, LONG2, SHORT]
+    steps = [
+        _gen("dense", prompts),
+        {"op": "sparse", "config": {"method": "test_all_blocks"}},
+        _gen("all_blocks", prompts),
+        {"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3}},
+        _gen("topk_3", prompts),
+    ]
+    spec = {"model": TINY, "max_num_batched_tokens": 256, "enforce_eager": False, "steps": steps}
+    return _run("compiled", spec)["steps"]
+
+
+def test_with_torch_compile_every_block_equals_dense_and_a_budget_reads_fewer(compiled_run):
+    dense, every, sparse = compiled_run["dense"], compiled_run["all_blocks"], compiled_run["topk_3"]
+    assert every["outputs"] == dense["outputs"]
+    assert every["kernel"] == dense["kernel"]
+    assert sparse["kernel"]["calls"] == dense["kernel"]["calls"]
+    assert sparse["kernel"]["blocks"] < dense["kernel"]["blocks"] / 2
+    assert sparse["method"]["blocks_read"] == sparse["kernel"]["blocks"]
+    assert sparse["outputs"][:2] != dense["outputs"][:2]
+    assert sparse["outputs"][2] == dense["outputs"][2]
 
 
 # -- blocks loaded by the connector ---------------------------------------------------
