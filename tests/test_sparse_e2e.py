@@ -199,3 +199,27 @@ def test_blocks_loaded_from_the_store_get_summaries_like_computed_ones(loads_run
             + over_p["method"]["blocks_summarized_from_pages"]) == 11 * 4
     assert over_q["method"]["sparse_rows"] > 0
     assert over_q["kernel"]["blocks"] < over_q["method"]["blocks_dense"]
+
+
+# -- turned on by the connector's config alone ---------------------------------------
+
+def _connector_applies_sparse() -> bool:
+    import inspect
+
+    from ucm_connector import connector
+
+    return "apply_sparse" in inspect.getsource(connector)
+
+
+@pytest.mark.skipif(not _connector_applies_sparse(),
+                    reason="UCMConnector does not call ucm_connector.plugin.apply_sparse yet")
+def test_the_sparse_option_alone_turns_the_method_on_in_the_worker():
+    store = "disk://" + tempfile.mkdtemp(prefix="ucm-sparse-store-")
+    spec = {"model": TINY, "store": store, "activate": False,
+            "sparse": {"method": "block_topk", "budget_blocks": 3},
+            "steps": [_gen("long", [LONG1])]}
+    out = _run("configured", spec)
+    assert out["patched_at_start"] is True
+    run = out["steps"]["long"]
+    assert run["method"]["sparse_rows"] > 0
+    assert run["kernel"]["blocks"] < run["method"]["blocks_dense"]
