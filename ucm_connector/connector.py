@@ -97,6 +97,10 @@ class UCMConnector(KVConnectorBase_V1):
                 stats=self.stats,
                 blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size,
                 load_mode=self.config.load_mode, events=OutcomeLog(enabled=with_events))
+            from .plugin import apply_sparse
+
+            # Patches vLLM's attention path only when a sparse method is configured.
+            apply_sparse(self.config.sparse, vllm_config)
 
     # -- worker side ---------------------------------------------------------
 
