@@ -125,16 +125,20 @@ class UCMWorker:
             self._failed("store load", exc)
             return [False] * len(keys)
 
-    def _check(self, keys: list[bytes], rows: np.ndarray, found: list[bool], offset: int,
-               good: list[int], bad_keys: list[bytes]) -> None:
+    def _check(self, keys: list[bytes], rows: np.ndarray, found: list[bool]) -> tuple[list[int], list[bytes]]:
+        """Indices of the rows that passed their checks, and keys of the
+        blocks that were found but failed them."""
+        good: list[int] = []
+        bad_keys: list[bytes] = []
         for i, ok in enumerate(found):
             if ok:
                 try:
                     blockfmt.verify(rows[i], self.namespace_digest, self.payload_nbytes, key=keys[i])
-                    good.append(offset + i)
+                    good.append(i)
                 except blockfmt.BlockFormatError as exc:
                     self._failed(f"block check ({exc.reason})", exc)
                     bad_keys.append(keys[i])
+        return good, bad_keys
 
     def _fetch(self, plans: list[BlockPlan], buf: np.ndarray, scatter: bool = True
                ) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
@@ -149,12 +153,10 @@ class UCMWorker:
         if buf.size < need:
             buf = _touched(need)
         rows = buf[:need].reshape(n, self.block_nbytes)
-        good: list[int] = []
-        bad_keys: list[bytes] = []
         # One batched read.  Reading a chunk ahead on another thread while the
         # last chunk is checked and copied measured no faster on disk and 25%
         # slower on shm on two cores (benchmarks/RESULTS.md).
-        self._check(keys, rows, self._read(keys, rows), 0, good, bad_keys)
+        good, bad_keys = self._check(keys, rows, self._read(keys, rows))
         if scatter:
             self._scatter(block_ids, rows, good)
         if bad_keys:
