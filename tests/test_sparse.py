@@ -85,9 +85,10 @@ def test_a_quantized_cache_has_no_page_reader():
 
 def test_summaries_follow_written_keys_and_restart_at_offset_zero():
     epochs = BlockEpochs().get(8, torch.device("cpu"))
-    s = LayerSummaries(8, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4)
+    s = LayerSummaries(8, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4,
+                       score_dtype=torch.bfloat16)
     old = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16) * 10
-    s.add_keys(old, WritePlan(torch.arange(BLOCK) + 5 * BLOCK, BLOCK), epochs)   # another request's
+    s.add_keys(old, WritePlan(torch.arange(BLOCK) + 2 * BLOCK, BLOCK), epochs)   # another request's
     keys = torch.randn(200, KV_HEADS, HEAD).to(torch.bfloat16)
     slots = torch.tensor(_slots([5, 2], 0, 200))
     s.add_keys(keys[:150], WritePlan(slots[:150], BLOCK), epochs)                 # a prefill chunk
@@ -96,30 +97,38 @@ def test_summaries_follow_written_keys_and_restart_at_offset_zero():
     assert torch.equal(s.kmin[5], first.amin(0)) and torch.equal(s.kmax[5], first.amax(0))
     assert torch.equal(s.kmin[2], second.amin(0)) and torch.equal(s.kmax[2], second.amax(0))
     assert torch.allclose(s.part_sum[5], first.view(4, 32, KV_HEADS, HEAD).sum(1), atol=1e-4)
-    assert s.part_count[5].tolist() == [32, 32, 32, 32]
-    assert s.part_count[2].tolist() == [32, 32, 8, 0]
     assert torch.allclose(s.part_sum[2, :2], second[:64].view(2, 32, KV_HEADS, HEAD).sum(1), atol=1e-4)
+    assert torch.allclose(s.part_sum[2, 2], second[64:].sum(0), atol=1e-4)
+    assert not s.part_sum[2, 3].any()
     assert not s.stale(torch.tensor([5, 2]), epochs).any()
+    # The sums scored in the query's type are the fp32 sums rounded once; none of
+    # block 2's earlier content is left in them.
+    assert s.scored.dtype == torch.bfloat16 and s.part_sum[5].abs().sum() > 0
+    assert torch.equal(s.scored, s.part_sum.to(torch.bfloat16))
 
 
 def test_blocks_filled_behind_the_forward_are_stale_until_rebuilt_from_their_pages():
     cache = Cache()
     counter = BlockEpochs()
     epochs = counter.get(24, torch.device("cpu"))
-    s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4)
+    s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4,
+                       score_dtype=torch.bfloat16)
+    pages = key_pages(cache.kv, "vec", HEAD, "auto")
     first = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
-    s.add_keys(first, WritePlan(torch.arange(BLOCK) + 4 * BLOCK, BLOCK), epochs)
+    cache.write(first, first, _slots([4], 0, BLOCK))
+    s.add_keys(first, WritePlan(torch.arange(BLOCK) + 4 * BLOCK, BLOCK), epochs, pages)
+    assert not s.probe[4].isnan().any()
     # A connector load puts other content in block 4 without a forward.
     loaded = torch.randn(100, KV_HEADS, HEAD).to(torch.bfloat16)
     cache.write(loaded, loaded, _slots([4], 0, 100))
     counter.bump([4])
     epochs = counter.get(24, torch.device("cpu"))
     assert s.stale(torch.tensor([4]), epochs).all()
-    pages = key_pages(cache.kv, "vec", HEAD, "auto")
     assert s.refresh(torch.tensor([4]), torch.tensor([100]), epochs, pages) == (0, 1)
     assert torch.equal(s.kmin[4], loaded.float().amin(0)) and torch.equal(s.kmax[4], loaded.float().amax(0))
-    assert s.part_count[4].tolist() == [32, 32, 32, 4]
     assert torch.allclose(s.part_sum[4, 3], loaded[96:].float().sum(0), atol=1e-4)
+    assert torch.allclose(s.part_sum[4, 0], loaded[:32].float().sum(0), atol=1e-4)
+    assert torch.equal(s.scored[4], s.part_sum[4].to(torch.bfloat16))
     assert not s.stale(torch.tensor([4]), epochs).any()
 
 
@@ -130,11 +139,15 @@ def test_a_block_refilled_with_the_same_keys_keeps_its_summary():
     s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"))
     keys = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
     cache.write(keys, keys, _slots([9], 0, BLOCK))
-    s.add_keys(keys, WritePlan(torch.tensor(_slots([9], 0, BLOCK)), BLOCK), epochs)
+    pages = key_pages(cache.kv, "vec", HEAD, "auto")
+    # Written in two steps; the second completes the block and takes its probe.
+    s.add_keys(keys[:100], WritePlan(torch.tensor(_slots([9], 0, 100)), BLOCK), epochs, pages)
+    assert s.probe[9].isnan().all()
+    s.add_keys(keys[100:], WritePlan(torch.tensor(_slots([9], 100, BLOCK)), BLOCK), epochs, pages)
+    assert not s.probe[9].isnan().any()
     counter.bump([9])                   # a prefix-cache hit on block 9: same content
     epochs = counter.get(24, torch.device("cpu"))
     assert s.stale(torch.tensor([9]), epochs).all()
-    pages = key_pages(cache.kv, "vec", HEAD, "auto")
     assert s.refresh(torch.tensor([9]), torch.tensor([BLOCK]), epochs, pages) == (1, 0)
     assert not s.stale(torch.tensor([9]), epochs).any()
     assert torch.equal(s.kmax[9], keys.float().amax(0))

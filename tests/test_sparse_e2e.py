@@ -203,16 +203,6 @@ def test_blocks_loaded_from_the_store_get_summaries_like_computed_ones(loads_run
 
 # -- turned on by the connector's config alone ---------------------------------------
 
-def _connector_applies_sparse() -> bool:
-    import inspect
-
-    from ucm_connector import connector
-
-    return "apply_sparse" in inspect.getsource(connector)
-
-
-@pytest.mark.skipif(not _connector_applies_sparse(),
-                    reason="UCMConnector does not call ucm_connector.plugin.apply_sparse yet")
 def test_the_sparse_option_alone_turns_the_method_on_in_the_worker():
     store = "disk://" + tempfile.mkdtemp(prefix="ucm-sparse-store-")
     spec = {"model": TINY, "store": store, "activate": False,

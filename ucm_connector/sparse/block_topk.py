@@ -108,6 +108,9 @@ class BlockTopK(SparseMethod):
         self.options = options
         self._epochs = BlockEpochs()
         self._layers: dict[str, LayerSummaries] = {}
+        # Shared by all layers' summaries: every layer sees the same writes
+        # and refreshes the same stale blocks in the same step.
+        self._made_at: torch.Tensor | None = None
         self._stats = SparseStats()
         self._plan: _StepPlan | None = None
 
@@ -139,10 +142,18 @@ class BlockTopK(SparseMethod):
     def _layer(self, batch: AttentionBatch) -> LayerSummaries:
         layer = self._layers.get(batch.layer_name)
         if layer is None or layer.num_blocks < batch.num_cache_blocks:
-            # fp32 summaries: scoring reads them as fp32 without a conversion.
+            made_at = self._made_at
+            if made_at is None or made_at.numel() < batch.num_cache_blocks or made_at.device != batch.query.device:
+                # A bigger cache: every layer starts over.
+                self._layers.clear()
+                made_at = self._made_at = torch.full((batch.num_cache_blocks,), -1, dtype=torch.int64,
+                                                     device=batch.query.device)
+            # Sums accumulate in fp32; scoring reads them in the query's type.
             parts = self.options.parts if batch.block_size % self.options.parts == 0 else 1
             layer = LayerSummaries(batch.num_cache_blocks, batch.block_size, batch.num_kv_heads,
-                                   batch.head_size, torch.float32, batch.query.device, parts=parts)
+                                   batch.head_size, torch.float32, batch.query.device, parts=parts,
+                                   bounds=self.options.score == "bound", score_dtype=batch.query.dtype,
+                                   made_at=made_at)
             self._layers[batch.layer_name] = layer
         return layer
 
@@ -157,7 +168,7 @@ class BlockTopK(SparseMethod):
         epochs = self._epochs.get(batch.num_cache_blocks, batch.query.device)
         layer = self._layer(batch)
         if plan.write is not None:
-            layer.add_keys(batch.key, plan.write, epochs)
+            layer.add_keys(batch.key, plan.write, epochs, batch.pages)
         stats = self._stats
         if plan.num_decode == 0:
             return None
@@ -197,8 +208,8 @@ class BlockTopK(SparseMethod):
                  epochs: torch.Tensor) -> torch.Tensor | None:
         """Make the summaries of the blocks these rows read current; returns
         the (row, position) entries that still have none (always read), or None."""
-        stale = layer.stale(plan.table_flat, epochs).view_as(plan.table) & plan.valid
-        if not bool(stale.any()):
+        stale = plan.stale(self._made_at, epochs)
+        if stale is None:
             return None
         if batch.pages is None:
             self._stats.blocks_kept_unsummarized += int(stale.sum())
@@ -210,24 +221,25 @@ class BlockTopK(SparseMethod):
 
     def _scores(self, layer: LayerSummaries, batch: AttentionBatch, plan: "_StepPlan") -> torch.Tensor:
         """Estimated share of each block in the attention of each row's query."""
-        q = batch.query.index_select(0, plan.q_index).float()          # [n, Hq, D]
+        q = batch.query[:plan.num_rows] if plan.q_in_order else batch.query.index_select(0, plan.q_index)
         n, num_heads, d = q.shape
         h, width = batch.num_kv_heads, plan.width
-        q = q.view(n * h, num_heads // h, d)
         if self.options.score == "bound":
+            q = q.float().reshape(n * h, num_heads // h, d)
             rows = layer.minmax.view(-1, 2 * d).index_select(0, plan.head_index).view(n * h, width, 2 * d)
             q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
             logits = torch.bmm(q, rows.transpose(1, 2)).view(n, num_heads, width).mul_(batch.scale)
+            logits.masked_fill_(plan.invalid3, float("-inf"))
         else:
             parts = layer.parts
             index = plan.part_index(parts, h)
-            rows = layer.part_sum.view(-1, d).index_select(0, index).view(n * h, width * parts, d)
-            logits = torch.bmm(q, rows.transpose(1, 2)).view(n, num_heads, width, parts)
-            count = layer.part_count.view(-1).index_select(0, plan.count_index(parts)).view(n, 1, width, parts)
+            rows = layer.scored.view(-1, d).index_select(0, index).view(n * h, width * parts, d)
+            q = q.to(rows.dtype).reshape(n * h, num_heads // h, d)
+            logits = torch.bmm(q, rows.transpose(1, 2)).view(n, num_heads, width, parts).float()
             # A block's mass ~ sum over its slices of count * exp(scale * q . mean).
-            logits.div_(count.clamp(min=1)).mul_(batch.scale).add_(count.log())
+            factor, log_count = plan.slice_weights(parts, batch.scale)
+            logits.mul_(factor).add_(log_count)
             logits = logits.logsumexp(dim=-1) if parts > 1 else logits.squeeze(-1)
-        logits.masked_fill_(plan.invalid3, float("-inf"))
         return logits.softmax(dim=-1).mean(dim=1)
 
 
@@ -270,7 +282,8 @@ class _StepPlan:
         heads = torch.arange(batch.num_kv_heads, device=device).view(1, -1, 1)
         self.head_index = (self.table.unsqueeze(1) * batch.num_kv_heads + heads).flatten()
         self._part_index: dict[int, torch.Tensor] = {}
-        self._count_index: dict[int, torch.Tensor] = {}
+        self._slice_weights: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.block_size = block_size
         self.table_flat = self.table.flatten()
         self.last_fill = seq_lens[rows].to(torch.int64) - (self.n_rows - 1) * block_size
         self.fills = torch.where(pos == (self.n_rows - 1).unsqueeze(1), self.last_fill.unsqueeze(1),
@@ -279,6 +292,9 @@ class _StepPlan:
                        | (pos >= (self.n_rows - options.local_blocks).unsqueeze(1))) & self.valid
         self.in_budget = torch.arange(self.k, device=device).unsqueeze(0) < self.keep_rows.unsqueeze(1)
         self.q_index = qsl[rows].to(torch.int64)
+        # Pure decode steps: row i's query is token i.
+        self.q_in_order = bool(torch.equal(self.q_index, torch.arange(self.num_rows, device=device)))
+        self._stale: torch.Tensor | None | bool = False
         # Handed to the kernel; the chosen blocks are written into it per layer.
         self.block_table = batch.block_table.clone()
         self.seq_lens = seq_lens.clone()
@@ -295,11 +311,29 @@ class _StepPlan:
             self._part_index[parts] = ((blocks * parts + slices) * num_kv_heads + heads).flatten()
         return self._part_index[parts]
 
-    def count_index(self, parts: int) -> torch.Tensor:
-        if parts not in self._count_index:
-            slices = torch.arange(parts, device=self.table.device).view(1, 1, -1)
-            self._count_index[parts] = (self.table.unsqueeze(2) * parts + slices).flatten()
-        return self._count_index[parts]
+    def stale(self, made_at: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor | None:
+        """The (row, position) entries whose blocks' summaries are not
+        current, or None; worked out at the step's first layer, before any
+        layer refreshes them, and the same for all its layers."""
+        if self._stale is False:
+            stale = (made_at.index_select(0, self.table_flat) != epochs.index_select(0, self.table_flat))
+            stale = stale.view_as(self.table) & self.valid
+            self._stale = stale if bool(stale.any()) else None
+        return self._stale
+
+    def slice_weights(self, parts: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scale / count`` and ``log(count)`` of each slice of each row's
+        blocks, ``[rows, 1, width, parts]``: a current summary covers exactly
+        a block's first ``fill`` tokens.  Empty slices and positions past a
+        row's blocks get ``log(0) = -inf``."""
+        key = (parts, scale)
+        if key not in self._slice_weights:
+            part_size = self.block_size // parts
+            starts = torch.arange(parts, device=self.table.device) * part_size
+            fills = self.fills.masked_fill(~self.valid, 0)
+            count = (fills.unsqueeze(2) - starts).clamp_(0, part_size).to(torch.float32).unsqueeze(1)
+            self._slice_weights[key] = (scale / count.clamp(min=1), count.log())
+        return self._slice_weights[key]
 
     def matches(self, batch: AttentionBatch) -> bool:
         return self.refs == _refs(batch)

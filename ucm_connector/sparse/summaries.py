@@ -1,7 +1,8 @@
-"""Per-block key summaries: for every cache block and KV head, the elementwise
-minimum and maximum of the block's keys (Quest's bound: for a query q,
-``sum_d max(q_d * min_d, q_d * max_d)`` is an upper bound of q . k over the
-block's keys).
+"""Per-block key summaries: for every cache block and KV head, the sums of
+the keys of equal slices of the block (their mean keys, scored against the
+query) and, when asked for, the elementwise minimum and maximum of the
+block's keys (Quest's bound: for a query q, ``sum_d max(q_d * min_d, q_d *
+max_d)`` is an upper bound of q . k over the block's keys).
 
 Summaries follow the keys as they are written (prefill chunks and decode
 tokens), so they cost no extra read of the cache.  Blocks whose content was
@@ -61,26 +62,22 @@ class WritePlan:
         self.blocks = torch.div(slots, block_size, rounding_mode="floor")
         self.offsets = slots - self.blocks * block_size
         self.starts = self.blocks[self.offsets == 0]
+        self.ends = self.blocks[self.offsets == block_size - 1]
         self._index: torch.Tensor | None = None
-        self._probe_dims: torch.Tensor | None = None
-        self._ones: torch.Tensor | None = None
         self._parts: tuple[int, torch.Tensor] | None = None
+        self._touched: tuple[int, torch.Tensor] | None = None
 
-    def probe_dims(self, head_size: int) -> torch.Tensor:
-        if self._probe_dims is None:
-            self._probe_dims = self.offsets % head_size
-        return self._probe_dims
+    def touched(self, parts: int, part_size: int) -> torch.Tensor:
+        """The distinct rows of ``parts(parts, part_size)``."""
+        if self._touched is None or self._touched[0] != parts:
+            self._touched = (parts, torch.unique(self.parts(parts, part_size)))
+        return self._touched[1]
 
     def parts(self, parts: int, part_size: int) -> torch.Tensor:
         """Row of each token in a ``[num_blocks * parts]`` view."""
         if self._parts is None or self._parts[0] != parts:
             self._parts = (parts, self.blocks * parts + torch.div(self.offsets, part_size, rounding_mode="floor"))
         return self._parts[1]
-
-    def ones(self, dtype: torch.dtype) -> torch.Tensor:
-        if self._ones is None or self._ones.dtype != dtype:
-            self._ones = torch.ones(self.num_tokens, dtype=dtype, device=self.blocks.device)
-        return self._ones
 
     def index(self, shape: torch.Size) -> torch.Tensor:
         """``blocks`` broadcast over a key's ``[H, D]``."""
@@ -90,62 +87,87 @@ class WritePlan:
 
 
 class LayerSummaries:
-    """What one layer knows of each cache block's keys, per KV head: their
-    elementwise max and min side by side (``minmax`` ``[num_blocks, H, 2D]``:
-    Quest's bound is one matmul against ``[max(q, 0), min(q, 0)]``), and the
-    sum and count of the keys of each of the block's ``parts`` equal slices
-    (``part_sum`` ``[num_blocks, parts, H, D]``, ``part_count``): the mean key
-    of a slice, finer than the block's, keeps a few strong keys from being
-    averaged away over 128 tokens."""
+    """What one layer knows of each cache block's keys, per KV head: the sum
+    of the keys of each of the block's ``parts`` equal slices (``part_sum``
+    ``[num_blocks, parts, H, D]``; a slice's mean key, finer than the
+    block's, keeps a few strong keys from being averaged away over 128
+    tokens), and with ``bounds`` their elementwise max and min side by side
+    (``minmax`` ``[num_blocks, H, 2D]``: Quest's bound is one matmul against
+    ``[max(q, 0), min(q, 0)]``).  How many keys each slice holds follows from
+    the block's fill, which the caller knows: a current summary covers
+    exactly the block's first ``fill`` tokens.
+
+    With a ``score_dtype`` other than ``dtype`` (the query's bf16, say), the
+    slice sums are also kept rounded to it (``scored``), updated where keys
+    are written: scoring then reads half the bytes and multiplies in the
+    query's own type, while the sums still accumulate in ``dtype``."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device, parts: int = 1) -> None:
+                 dtype: torch.dtype, device: torch.device, parts: int = 1, bounds: bool = True,
+                 score_dtype: torch.dtype | None = None, made_at: torch.Tensor | None = None) -> None:
         d = head_size
-        self.minmax = torch.empty((num_blocks, num_kv_heads, 2 * d), dtype=dtype, device=device)
-        self.kmax = self.minmax[:, :, :d]
-        self.kmin = self.minmax[:, :, d:]
-        self.kmax.fill_(float("-inf"))
-        self.kmin.fill_(float("inf"))
+        self.minmax = self.kmax = self.kmin = None
+        if bounds:
+            self.minmax = torch.empty((num_blocks, num_kv_heads, 2 * d), dtype=dtype, device=device)
+            self.kmax = self.minmax[:, :, :d]
+            self.kmin = self.minmax[:, :, d:]
+            self.kmax.fill_(float("-inf"))
+            self.kmin.fill_(float("inf"))
         self.parts = parts
         self.part_size = block_size // parts
         self.part_sum = torch.zeros((num_blocks, parts, num_kv_heads, d), dtype=dtype, device=device)
-        self.part_count = torch.zeros((num_blocks, parts), dtype=dtype, device=device)
-        # Epoch at which each block's summary was started; -1 = never.
-        self.made_at = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
-        # Per token, the key element KeyPages.probe reads (kv head 0, dim
-        # t % head_size), as written; NaN where unknown (never equal).
+        self.scored = self.part_sum
+        if score_dtype is not None and score_dtype != dtype:
+            self.scored = torch.zeros_like(self.part_sum, dtype=score_dtype)
+        # Epoch at which each block's summary was started; -1 = never.  May be
+        # shared by the layers of a model: they all see the same writes.
+        self.made_at = (torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+                        if made_at is None else made_at)
+        # Per token of each full block, the key element KeyPages.probe reads
+        # (kv head 0, dim t % head_size), read from the page when the block
+        # was completed or rebuilt; NaN where unknown (never equal).  Only
+        # full blocks come back behind the forward's back (prefix-cache hits
+        # and connector loads are whole blocks).
         self.probe = torch.full((num_blocks, block_size), float("nan"), dtype=dtype, device=device)
         self.block_size = block_size
-        self._head_size = head_size
 
     @property
     def num_blocks(self) -> int:
-        return self.minmax.shape[0]
+        return self.part_sum.shape[0]
 
-    def add_keys(self, key: torch.Tensor, plan: "WritePlan", epochs: torch.Tensor) -> None:
+    def add_keys(self, key: torch.Tensor, plan: "WritePlan", epochs: torch.Tensor, pages=None) -> None:
         """Fold the keys just written (``plan`` says where) into their
         blocks' summaries.  A token at offset 0 starts its block afresh:
         tokens of a block are written in order, so that is where a block's
-        new content begins (whatever the block held before)."""
+        new content begins (whatever the block held before).  Blocks
+        completed by these keys get their probe from ``pages`` (the cache
+        already holds the keys); without pages they get none."""
         if plan.num_tokens == 0:
             return
         if plan.keep is not None:
             key = key[plan.keep]
         if plan.starts.numel():
-            self.kmin.index_fill_(0, plan.starts, float("inf"))
-            self.kmax.index_fill_(0, plan.starts, float("-inf"))
+            if self.minmax is not None:
+                self.kmin.index_fill_(0, plan.starts, float("inf"))
+                self.kmax.index_fill_(0, plan.starts, float("-inf"))
             self.part_sum.index_fill_(0, plan.starts, 0.0)
-            self.part_count.index_fill_(0, plan.starts, 0.0)
+            if self.scored is not self.part_sum:
+                self.scored.index_fill_(0, plan.starts, 0.0)
             self.made_at.index_copy_(0, plan.starts, epochs.index_select(0, plan.starts))
-        self.probe[plan.blocks, plan.offsets] = key[:, 0].gather(
-            1, plan.probe_dims(self._head_size).unsqueeze(1)).squeeze(1).to(self.probe.dtype)
-        key = key.to(self.minmax.dtype)
-        index = plan.index(key.shape[1:])
-        self.kmin.scatter_reduce_(0, index, key, "amin")
-        self.kmax.scatter_reduce_(0, index, key, "amax")
+            self.probe.index_fill_(0, plan.starts, float("nan"))
+        if pages is not None and plan.ends.numel():
+            self.probe.index_copy_(0, plan.ends, pages.probe(plan.ends).to(self.probe.dtype))
+        key = key.to(self.part_sum.dtype)
+        if self.minmax is not None:
+            index = plan.index(key.shape[1:])
+            self.kmin.scatter_reduce_(0, index, key, "amin")
+            self.kmax.scatter_reduce_(0, index, key, "amax")
         parts = plan.parts(self.parts, self.part_size)
-        self.part_sum.view(-1, *key.shape[1:]).index_add_(0, parts, key)
-        self.part_count.view(-1).index_add_(0, parts, plan.ones(self.part_count.dtype))
+        sums = self.part_sum.view(-1, *key.shape[1:])
+        sums.index_add_(0, parts, key)
+        if self.scored is not self.part_sum:
+            touched = plan.touched(self.parts, self.part_size)
+            self.scored.view_as(sums).index_copy_(0, touched, sums.index_select(0, touched).to(self.scored.dtype))
 
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
@@ -161,7 +183,7 @@ class LayerSummaries:
         seen = self.probe.index_select(0, blocks)
         now = pages.probe(blocks).to(seen.dtype)
         filled = torch.arange(block_size, device=blocks.device).unsqueeze(0) < fills.unsqueeze(1)
-        same = ((seen == now) | ~filled).all(dim=1) & (self.made_at.index_select(0, blocks) >= 0)
+        same = ((seen == now) | ~filled).all(dim=1)
         self.made_at.index_copy_(0, blocks, epochs.index_select(0, blocks))
         if bool(same.all()):
             return int(blocks.numel()), 0
@@ -170,21 +192,22 @@ class LayerSummaries:
         full = fills == block_size
         if bool(full.any()):
             kmin, kmax, part_sum = pages.reduce(blocks[full], self.parts)
-            self.kmin.index_copy_(0, blocks[full], kmin.to(self.kmin.dtype))
-            self.kmax.index_copy_(0, blocks[full], kmax.to(self.kmax.dtype))
+            if self.minmax is not None:
+                self.kmin.index_copy_(0, blocks[full], kmin.to(self.kmin.dtype))
+                self.kmax.index_copy_(0, blocks[full], kmax.to(self.kmax.dtype))
             self.part_sum.index_copy_(0, blocks[full], part_sum.to(self.part_sum.dtype))
         if not bool(full.all()):
             some, some_fills = blocks[~full], fills[~full]
-            keys = pages.read(some).to(self.minmax.dtype)  # [n, B, H, D]
+            keys = pages.read(some).to(self.part_sum.dtype)  # [n, B, H, D]
             pad = (torch.arange(block_size, device=keys.device).unsqueeze(0)
                    >= some_fills.unsqueeze(1))[:, :, None, None]
-            self.kmin.index_copy_(0, some, keys.masked_fill(pad, float("inf")).amin(dim=1))
-            self.kmax.index_copy_(0, some, keys.masked_fill(pad, float("-inf")).amax(dim=1))
+            if self.minmax is not None:
+                self.kmin.index_copy_(0, some, keys.masked_fill(pad, float("inf")).amin(dim=1))
+                self.kmax.index_copy_(0, some, keys.masked_fill(pad, float("-inf")).amax(dim=1))
             part_sum = keys.masked_fill(pad, 0.0).view(len(some), self.parts, self.part_size, *keys.shape[2:])
             self.part_sum.index_copy_(0, some, part_sum.sum(dim=2))
-        starts = torch.arange(self.parts, device=blocks.device) * self.part_size
-        self.part_count.index_copy_(0, blocks, (fills.unsqueeze(1) - starts).clamp(0, self.part_size)
-                                    .to(self.part_count.dtype))
+        if self.scored is not self.part_sum:
+            self.scored.index_copy_(0, blocks, self.part_sum.index_select(0, blocks).to(self.scored.dtype))
         self.probe.index_copy_(0, blocks, now.masked_fill(
             torch.arange(block_size, device=blocks.device).unsqueeze(0) >= fills.unsqueeze(1), float("nan")))
         return int(same.sum()), int(blocks.numel())
