@@ -117,6 +117,7 @@ class Bench:
         self.llm = LLM(model=args.model, dtype="bfloat16", max_model_len=8192, enforce_eager=True,
                        enable_prefix_caching=True, max_num_batched_tokens=args.max_batched_tokens,
                        max_num_seqs=max(args.batches), seed=0, logits_processors=[force_processor()],
+                       block_size=args.block_size,
                        disable_log_stats=False)
 
     def configure(self, options: dict | None) -> None:
@@ -154,7 +155,11 @@ class Bench:
                 tops, lls = [], []
                 for o, want in zip(outs, truth):
                     got = o.outputs[0]
-                    assert list(got.token_ids) == list(want), "teacher forcing failed"
+                    if list(got.token_ids) != list(want):
+                        at = next((i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b),
+                                  min(len(got.token_ids), len(want)))
+                        raise SystemExit(f"teacher forcing failed for {o.request_id} at step {at} of "
+                                         f"{len(want)} ({len(got.token_ids)} tokens generated)")
                     tops.append([next(t for t, v in lp.items() if v.rank == 1) for lp in got.logprobs])
                     lls.append([lp[want[pos]].logprob for pos, lp in enumerate(got.logprobs)])
                 out[n][label(options)] = (tops, lls)
@@ -297,7 +302,11 @@ def main() -> int:
                     help="contexts for the speed runs (default: all)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=128,
+                    help="KV cache block size (the CPU backend takes multiples of 32): the unit "
+                         "block_topk selects")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-speed", action="store_true", help="quality only (the table has no speed columns)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     ap.add_argument("--png")
@@ -327,8 +336,8 @@ def main() -> int:
     configs = [None] + [{"keep_ratio": r} for r in args.ratios] + extras
     bench = Bench(args, configs)
     quality = {} if args.skip_quality else bench.quality(args.contexts, texts[:args.texts], args.forced)
-    speed = bench.speed(args.speed_contexts or args.contexts, texts, args.batches, args.speed_steps,
-                        args.repeats)
+    speed = {} if args.skip_speed else bench.speed(args.speed_contexts or args.contexts, texts, args.batches,
+                                                   args.speed_steps, args.repeats)
     if args.skip_quality:
         for (n, b, name), v in speed.items():
             print(f"context {n} batch {b} {name}: {v:.1f} tok/s")
