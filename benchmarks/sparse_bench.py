@@ -48,6 +48,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+MAX_MODEL_LEN = 8192
 TEXTS = ["inspect.py", "typing.py", "tarfile.py", "doctest.py", "argparse.py", "zipfile.py",
          "subprocess.py", "difflib.py", "enum.py", "ipaddress.py", "locale.py", "mailbox.py"]
 
@@ -114,9 +115,9 @@ class Bench:
         self.configs = configs                  # [None (dense)] + block_topk option dicts
         from vllm import LLM
 
-        self.llm = LLM(model=args.model, dtype="bfloat16", max_model_len=8192, enforce_eager=True,
+        self.llm = LLM(model=args.model, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enforce_eager=True,
                        enable_prefix_caching=True, max_num_batched_tokens=args.max_batched_tokens,
-                       max_num_seqs=max(args.batches), seed=0, logits_processors=[force_processor()],
+                       max_num_seqs=max(*args.batches, args.texts), seed=0, logits_processors=[force_processor()],
                        block_size=args.block_size,
                        disable_log_stats=False)
 
@@ -128,6 +129,14 @@ class Bench:
             patches.revert()
         else:
             apply_sparse({"method": "block_topk", **options})
+
+    def read_fraction(self) -> float:
+        """Blocks read / blocks dense attention reads, over the decode rows
+        since the method was configured (1.0 for dense)."""
+        import patches
+
+        method = patches.active_hooks()
+        return method.stats().read_fraction if method is not None else 1.0
 
     def generate(self, prompts, max_tokens, forced=None, logprobs=None):
         from vllm import SamplingParams
@@ -162,7 +171,7 @@ class Bench:
                                          f"{len(want)} ({len(got.token_ids)} tokens generated)")
                     tops.append([next(t for t, v in lp.items() if v.rank == 1) for lp in got.logprobs])
                     lls.append([lp[want[pos]].logprob for pos, lp in enumerate(got.logprobs)])
-                out[n][label(options)] = (tops, lls)
+                out[n][label(options)] = (tops, lls, self.read_fraction())
                 print(f"quality: context {n}, {label(options)}: {seconds:.1f} s", file=sys.stderr)
         self.configure(None)
         return out
@@ -197,10 +206,10 @@ class Bench:
 def summarize(quality, speed, configs, args):
     rows = []
     for n, by_label in quality.items():
-        dense_tops, dense_lls = by_label["dense"]
+        dense_tops, dense_lls = by_label["dense"][:2]
         for options in configs[1:]:
             name = label(options)
-            tops, lls = by_label[name]
+            tops, lls, read = by_label[name]
             agree = total = 0
             dll = 0.0
             for t_d, t_s, l_d, l_s in zip(dense_tops, tops, dense_lls, lls):
@@ -208,7 +217,7 @@ def summarize(quality, speed, configs, args):
                     agree += t_d[pos] == t_s[pos]
                     dll += l_s[pos] - l_d[pos]
                     total += 1
-            row = {"context": n, "config": name, "options": options, "agreement": agree / total,
+            row = {"context": n, "config": name, "options": options, "read": read, "agreement": agree / total,
                    "dll": dll / total, "positions": total}
             for batch in args.batches:
                 dense_rate = speed.get((n, batch, "dense"))
@@ -222,14 +231,15 @@ def summarize(quality, speed, configs, args):
 
 
 def markdown(rows, args) -> str:
-    head = "| context | keep | agreement | dLL (nats/token) |"
-    sep = "|---|---|---|---|"
+    head = "| context | keep | blocks read | agreement | dLL (nats/token) |"
+    sep = "|---|---|---|---|---|"
     for b in args.batches:
         head += f" tok/s b{b} (dense) | speedup b{b} |"
         sep += "---|---|"
     lines = [head, sep]
     for r in rows:
-        line = f"| {r['context']} | {r['config']} | {100 * r['agreement']:.1f}% | {r['dll']:+.3f} |"
+        read = f"{100 * r['read']:.1f}%" if "read" in r else "-"
+        line = f"| {r['context']} | {r['config']} | {read} | {100 * r['agreement']:.1f}% | {r['dll']:+.3f} |"
         for b in args.batches:
             if f"tok_s_b{b}" in r:
                 line += f" {r[f'tok_s_b{b}']:.1f} ({r[f'dense_tok_s_b{b}']:.1f}) | {r[f'speedup_b{b}']:.2f}x |"
@@ -327,10 +337,12 @@ def main() -> int:
         return 0
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")    # 12 requests of 8k tokens
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     t0 = time.perf_counter()
     need = max(args.contexts) + args.forced
+    if need > MAX_MODEL_LEN:
+        raise SystemExit(f"the longest context plus --forced is {need} tokens; the engine holds {MAX_MODEL_LEN}")
     texts = load_texts(os.path.join(args.model, "tokenizer.json"), max(args.texts, max(args.batches)), need)
     extras = [json.loads(e) for e in (args.extra if args.extra is not None else ['{"keep_ratio": 0.25, "parts": 8}'])]
     configs = [None] + [{"keep_ratio": r} for r in args.ratios] + extras
