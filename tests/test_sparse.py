@@ -85,8 +85,7 @@ def test_a_quantized_cache_has_no_page_reader():
 
 def test_summaries_follow_written_keys_and_restart_at_offset_zero():
     epochs = BlockEpochs().get(8, torch.device("cpu"))
-    s = LayerSummaries(8, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4,
-                       score_dtype=torch.bfloat16)
+    s = LayerSummaries(8, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4)
     old = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16) * 10
     s.add_keys(old, WritePlan(torch.arange(BLOCK) + 2 * BLOCK, BLOCK), epochs)   # another request's
     keys = torch.randn(200, KV_HEADS, HEAD).to(torch.bfloat16)
@@ -101,18 +100,13 @@ def test_summaries_follow_written_keys_and_restart_at_offset_zero():
     assert torch.allclose(s.part_sum[2, 2], second[64:].sum(0), atol=1e-4)
     assert not s.part_sum[2, 3].any()
     assert not s.stale(torch.tensor([5, 2]), epochs).any()
-    # The sums scored in the query's type are the fp32 sums rounded once; none of
-    # block 2's earlier content is left in them.
-    assert s.scored.dtype == torch.bfloat16 and s.part_sum[5].abs().sum() > 0
-    assert torch.equal(s.scored, s.part_sum.to(torch.bfloat16))
 
 
 def test_blocks_filled_behind_the_forward_are_stale_until_rebuilt_from_their_pages():
     cache = Cache()
     counter = BlockEpochs()
     epochs = counter.get(24, torch.device("cpu"))
-    s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4,
-                       score_dtype=torch.bfloat16)
+    s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4)
     pages = key_pages(cache.kv, "vec", HEAD, "auto")
     first = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
     cache.write(first, first, _slots([4], 0, BLOCK))
@@ -128,7 +122,6 @@ def test_blocks_filled_behind_the_forward_are_stale_until_rebuilt_from_their_pag
     assert torch.equal(s.kmin[4], loaded.float().amin(0)) and torch.equal(s.kmax[4], loaded.float().amax(0))
     assert torch.allclose(s.part_sum[4, 3], loaded[96:].float().sum(0), atol=1e-4)
     assert torch.allclose(s.part_sum[4, 0], loaded[:32].float().sum(0), atol=1e-4)
-    assert torch.equal(s.scored[4], s.part_sum[4].to(torch.bfloat16))
     assert not s.stale(torch.tensor([4]), epochs).any()
 
 

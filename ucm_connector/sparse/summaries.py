@@ -11,10 +11,10 @@ block copy, or anything written while no method was active) are told apart
 by epochs: the step hook bumps a block's epoch when its content comes from
 outside, and a layer's summary of a block is trusted only while it was made
 at the block's current epoch.  A stale summary is checked, the first time a
-decode step needs it, against one key element per token recorded when it was
-made (``probe``): a block refilled with the same keys (a prefix-cache hit, a
-store load of the same prefix) keeps its summary; any other is rebuilt from
-its page.
+decode step needs it, against one key element per token read from the page
+when the block was completed (``probe``): a block refilled with the same keys
+(a prefix-cache hit, a store load of the same prefix) keeps its summary; any
+other is rebuilt from its page.
 
 Knows attention math and tensors; knows nothing of vLLM's classes.
 """
@@ -65,13 +65,6 @@ class WritePlan:
         self.ends = self.blocks[self.offsets == block_size - 1]
         self._index: torch.Tensor | None = None
         self._parts: tuple[int, torch.Tensor] | None = None
-        self._touched: tuple[int, torch.Tensor] | None = None
-
-    def touched(self, parts: int, part_size: int) -> torch.Tensor:
-        """The distinct rows of ``parts(parts, part_size)``."""
-        if self._touched is None or self._touched[0] != parts:
-            self._touched = (parts, torch.unique(self.parts(parts, part_size)))
-        return self._touched[1]
 
     def parts(self, parts: int, part_size: int) -> torch.Tensor:
         """Row of each token in a ``[num_blocks * parts]`` view."""
@@ -95,16 +88,11 @@ class LayerSummaries:
     (``minmax`` ``[num_blocks, H, 2D]``: Quest's bound is one matmul against
     ``[max(q, 0), min(q, 0)]``).  How many keys each slice holds follows from
     the block's fill, which the caller knows: a current summary covers
-    exactly the block's first ``fill`` tokens.
-
-    With a ``score_dtype`` other than ``dtype`` (the query's bf16, say), the
-    slice sums are also kept rounded to it (``scored``), updated where keys
-    are written: scoring then reads half the bytes and multiplies in the
-    query's own type, while the sums still accumulate in ``dtype``."""
+    exactly the block's first ``fill`` tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, device: torch.device, parts: int = 1, bounds: bool = True,
-                 score_dtype: torch.dtype | None = None, made_at: torch.Tensor | None = None) -> None:
+                 made_at: torch.Tensor | None = None) -> None:
         d = head_size
         self.minmax = self.kmax = self.kmin = None
         if bounds:
@@ -116,9 +104,6 @@ class LayerSummaries:
         self.parts = parts
         self.part_size = block_size // parts
         self.part_sum = torch.zeros((num_blocks, parts, num_kv_heads, d), dtype=dtype, device=device)
-        self.scored = self.part_sum
-        if score_dtype is not None and score_dtype != dtype:
-            self.scored = torch.zeros_like(self.part_sum, dtype=score_dtype)
         # Epoch at which each block's summary was started; -1 = never.  May be
         # shared by the layers of a model: they all see the same writes.
         self.made_at = (torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
@@ -151,8 +136,6 @@ class LayerSummaries:
                 self.kmin.index_fill_(0, plan.starts, float("inf"))
                 self.kmax.index_fill_(0, plan.starts, float("-inf"))
             self.part_sum.index_fill_(0, plan.starts, 0.0)
-            if self.scored is not self.part_sum:
-                self.scored.index_fill_(0, plan.starts, 0.0)
             self.made_at.index_copy_(0, plan.starts, epochs.index_select(0, plan.starts))
             self.probe.index_fill_(0, plan.starts, float("nan"))
         if pages is not None and plan.ends.numel():
@@ -163,11 +146,7 @@ class LayerSummaries:
             self.kmin.scatter_reduce_(0, index, key, "amin")
             self.kmax.scatter_reduce_(0, index, key, "amax")
         parts = plan.parts(self.parts, self.part_size)
-        sums = self.part_sum.view(-1, *key.shape[1:])
-        sums.index_add_(0, parts, key)
-        if self.scored is not self.part_sum:
-            touched = plan.touched(self.parts, self.part_size)
-            self.scored.view_as(sums).index_copy_(0, touched, sums.index_select(0, touched).to(self.scored.dtype))
+        self.part_sum.view(-1, *key.shape[1:]).index_add_(0, parts, key)
 
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
@@ -206,8 +185,6 @@ class LayerSummaries:
                 self.kmax.index_copy_(0, some, keys.masked_fill(pad, float("-inf")).amax(dim=1))
             part_sum = keys.masked_fill(pad, 0.0).view(len(some), self.parts, self.part_size, *keys.shape[2:])
             self.part_sum.index_copy_(0, some, part_sum.sum(dim=2))
-        if self.scored is not self.part_sum:
-            self.scored.index_copy_(0, blocks, self.part_sum.index_select(0, blocks).to(self.scored.dtype))
         self.probe.index_copy_(0, blocks, now.masked_fill(
             torch.arange(block_size, device=blocks.device).unsqueeze(0) >= fills.unsqueeze(1), float("nan")))
         return int(same.sum()), int(blocks.numel())
