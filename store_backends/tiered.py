@@ -206,27 +206,34 @@ class TieredStore(KVStore):
         self._read(keys, read_tier)
         return values
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def _first_tier(self, keys: Sequence[bytes], ask, found) -> list:
+        """Ask the tiers in order, each only for the keys no tier before it
+        had; each key's answer is from the first tier that has it
+        (``found(answer)``), else from the last tier that answered (None if
+        none did).  Raises when every tier fails."""
         check_batch(keys)
         keys = list(keys)
-        present = [False] * len(keys)
+        out: list = [None] * len(keys)
         todo = list(range(len(keys)))
         failures = 0
         for tier, store in enumerate(self.stores):
             if not todo:
                 break
             try:
-                hit = store.contains([keys[i] for i in todo])
+                got = ask(store, [keys[i] for i in todo])
             except StoreError as exc:
                 self._tier_failed(tier, exc)
                 failures += 1
                 continue
-            for i, h in zip(todo, hit):
-                present[i] = present[i] or h
-            todo = [i for i, h in zip(todo, hit) if not h]
+            for i, answer in zip(todo, got):
+                out[i] = answer
+            todo = [i for i, answer in zip(todo, got) if not found(answer)]
         if failures == len(self.stores) and keys:
             raise StoreUnavailableError(f"store {self.url}: every tier failed")
-        return present
+        return out
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(h) for h in self._first_tier(keys, lambda store, ks: store.contains(ks), bool)]
 
     def prefix_len(self, keys: Sequence[bytes]) -> int:
         check_batch(keys)
@@ -289,26 +296,7 @@ class TieredStore(KVStore):
 
     def peek(self, keys: Sequence[bytes], nbytes: int | None = None) -> list[tuple[int, bytes] | None]:
         """From the first tier that has each key; no promotion, no hit counted."""
-        check_batch(keys)
-        keys = list(keys)
-        out: list[tuple[int, bytes] | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        failures = 0
-        for tier, store in enumerate(self.stores):
-            if not todo:
-                break
-            try:
-                got = store.peek([keys[i] for i in todo], nbytes)
-            except StoreError as exc:
-                self._tier_failed(tier, exc)
-                failures += 1
-                continue
-            for i, found in zip(todo, got):
-                out[i] = found
-            todo = [i for i, found in zip(todo, got) if found is None]
-        if failures == len(self.stores) and keys:
-            raise StoreUnavailableError(f"store {self.url}: every tier failed")
-        return out
+        return self._first_tier(keys, lambda store, ks: store.peek(ks, nbytes), lambda got: got is not None)
 
     def last_used(self, keys: Sequence[bytes]) -> list[float | None]:
         """The latest use any tier knows of."""
