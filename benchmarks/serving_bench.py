@@ -55,14 +55,12 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +69,8 @@ from dataclasses import asdict, dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from scripts.vllm_server import free_port, stop_server, wait_health  # noqa: E402
 BLOCK_SIZE = 128
 
 METRICS = (
@@ -181,12 +181,6 @@ def percentile(sorted_xs: list[float], q: float) -> float | None:
     return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------
 # The workload.
 # ---------------------------------------------------------------------------
@@ -264,51 +258,6 @@ def read_metrics(base: str) -> dict[str, float | None]:
 def metric_delta(after: dict, before: dict) -> dict:
     return {k: (after[k] - before[k]) if after.get(k) is not None and before.get(k) is not None else None
             for k in METRICS}
-
-
-def tail(path: str, n: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def wait_health(base: str, proc: subprocess.Popen, log_path: str, timeout: float = 420) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {proc.returncode} while starting; "
-                               f"last lines of {log_path}:\n{tail(log_path)}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server did not answer /health within {timeout:.0f} s; see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        # SIGTERM to the API server alone: it shuts its engine down in order
-        # (a signal to the whole group kills the engine under it, and the
-        # server logs that as an EngineDeadError).  SIGTERM, not SIGINT: a
-        # shell starts background jobs with SIGINT ignored.
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=40)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
-    try:                                        # engine processes that outlived the server
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 LOG_PROBLEM = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback \(most recent call last\)")
@@ -452,7 +401,7 @@ def run_config(cfg: ServerConfig, opts, reqs: list[Request], work: str, env: dic
         with open(out.log_path, "w") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        wait_health(base, proc, out.log_path)
+        wait_health(base, proc, out.log_path, timeout=420)
         out.startup_s = time.perf_counter() - t0
         model = _client(base).models.list().data[0].id
         # One short unrelated request first (shorter than a block: nothing is

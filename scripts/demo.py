@@ -22,17 +22,16 @@ import argparse
 import os
 import random
 import re
-import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
-import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from scripts.vllm_server import free_port, stop_server, tail, wait_health  # noqa: E402
 BLOCK_SIZE = 128          # vLLM's CPU block size: the unit the store keeps
 METRICS = (
     "vllm:external_prefix_cache_hits_total",
@@ -44,12 +43,6 @@ METRICS = (
 
 def say(msg: str = "") -> None:
     print(msg, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_prompt(model_dir: str, n_tokens: int) -> str:
@@ -97,34 +90,6 @@ def store_blocks(url: str) -> int | None:
         store.close()
 
 
-def wait_health(base: str, proc: subprocess.Popen, log_path: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    dots = 0
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with status {proc.returncode} while starting; "
-                               f"last lines of {log_path}:\n" + tail(log_path))
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    print(flush=True)
-                    return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        time.sleep(1)
-        dots += 1
-        print("." if dots % 10 else f" {dots} s", end="", flush=True)
-    raise RuntimeError(f"the vLLM server did not answer /health within {timeout:.0f} s; see {log_path}")
-
-
-def tail(path: str, n: int = 25) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
 def stream_once(client, model: str, prompt: str) -> tuple[float, float, str, int | None]:
     """(TTFT s, total s, text, prompt tokens) of one streamed completion."""
     start = time.perf_counter()
@@ -142,25 +107,6 @@ def stream_once(client, model: str, prompt: str) -> tuple[float, float, str, int
             prompt_tokens = chunk.usage.prompt_tokens
     total = time.perf_counter() - start
     return (ttft if ttft is not None else total), total, "".join(text), prompt_tokens
-
-
-def stop_server(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    say("stopping the vLLM server...")
-    try:
-        os.killpg(proc.pid, signal.SIGINT)       # its own session: the server and its engine processes
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
-    # Engine processes that outlived the server (they share its session).
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def main() -> int:
@@ -206,7 +152,7 @@ def main() -> int:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         say(f"starting vLLM on port {port} (about 20 s; its log is in {os.path.relpath(log_path, ROOT)})")
-        wait_health(base, proc, log_path)
+        wait_health(base, proc, log_path, timeout=300, progress=True)
         say("vLLM is up.")
 
         from openai import OpenAI
@@ -299,6 +245,8 @@ def main() -> int:
             say(f"last lines of the server log ({log_path}):\n{tail(log_path)}")
         return 1
     finally:
+        if proc is not None and proc.poll() is None:
+            say("stopping the vLLM server...")
         stop_server(proc)
         say("done.")
 
