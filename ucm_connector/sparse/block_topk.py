@@ -208,7 +208,7 @@ class BlockTopK(SparseMethod):
                  epochs: torch.Tensor) -> torch.Tensor | None:
         """Make the summaries of the blocks these rows read current; returns
         the (row, position) entries that still have none (always read), or None."""
-        stale = plan.stale(self._made_at, epochs)
+        stale = plan.stale(layer, epochs)
         if stale is None:
             return None
         if batch.pages is None:
@@ -310,13 +310,13 @@ class _StepPlan:
             self._part_index[parts] = ((blocks * parts + slices) * num_kv_heads + heads).flatten()
         return self._part_index[parts]
 
-    def stale(self, made_at: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor | None:
+    def stale(self, layer: LayerSummaries, epochs: torch.Tensor) -> torch.Tensor | None:
         """The (row, position) entries whose blocks' summaries are not
         current, or None; worked out at the step's first layer, before any
-        layer refreshes them, and the same for all its layers."""
+        layer refreshes them, and the same for all its layers (they share
+        ``made_at``)."""
         if self._stale is False:
-            stale = (made_at.index_select(0, self.table_flat) != epochs.index_select(0, self.table_flat))
-            stale = stale.view_as(self.table) & self.valid
+            stale = layer.stale(self.table_flat, epochs).view_as(self.table) & self.valid
             self._stale = stale if bool(stale.any()) else None
         return self._stale
 
