@@ -60,7 +60,7 @@ def stop_server(proc: subprocess.Popen | None) -> None:
         return
     try:
         # SIGTERM to the API server alone: it shuts its engine down itself
-        # (vLLM 0.33 still logs an EngineDeadError from its output handler as
+        # (vLLM 0.32 still logs an EngineDeadError from its output handler as
         # the engine goes; serving_bench counts such lines apart, as
         # shutdown errors).  SIGTERM, not SIGINT: a shell starts background
         # jobs with SIGINT ignored.
