@@ -14,6 +14,13 @@ Patches, one module per vLLM area:
 * ``model_runner.execute_model``: the step hook (``model_runner.py``);
 * ``cpu_attention.forward`` on the CPU platform, ``flash_attention.forward``
   on CUDA: the layer call hook (``attention.py``).
+
+Apart from those, ``apply_connector_patches()`` installs what the connector
+itself needs in every process (the plugin calls it): today one patch,
+``MultiConnector.__init__`` (``multi_connector.py``), so that UCMConnector
+as a MultiConnector child settles the load-failure policy vLLM reads.  It
+never stops vLLM: a vLLM it does not fit gets a warning saying what to set
+by hand.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from . import _core
 from ._core import Patch, PatchError, vllm_version
 
 __all__ = ["PatchError", "apply", "revert", "applied", "active_hooks", "patches_for_platform",
-           "check", "vllm_version"]
+           "check", "vllm_version", "apply_connector_patches"]
 
 logger = logging.getLogger("vllm.ucm_connector.patches")
 _lock = threading.Lock()
@@ -112,3 +119,20 @@ def applied() -> bool:
 
 def active_hooks() -> Any:
     return _core.hooks
+
+
+def apply_connector_patches() -> bool:
+    """Install the connector's own patches (idempotent); ``False``, with a
+    warning, where this vLLM does not fit them."""
+    from .multi_connector import MULTI_CONNECTOR_INIT
+
+    with _lock:
+        if MULTI_CONNECTOR_INIT.installed:
+            return True
+        problems = MULTI_CONNECTOR_INIT.problems(vllm_version())
+        if problems:
+            logger.warning("ucm-connector: %s; under MultiConnector, set kv_load_failure_policy to "
+                           "'recompute' at the top level of --kv-transfer-config yourself", "; ".join(problems))
+            return False
+        MULTI_CONNECTOR_INIT.install()
+        return True

@@ -34,6 +34,9 @@ Steps (each may carry a "name"; results are keyed by it):
   block file of a ``disk://`` store.  ``valid``: negate every bf16 value of
   the payload and re-pack the envelope, so the block checks pass but the KV is
   wrong.  ``raw``: flip one payload byte in place, so the checksum fails.
+* ``{"op": "damage", "tokens": [...], "index": i}``: flip a payload byte of
+  block ``i`` of those tokens in this engine's store, under this engine's
+  namespace (its checksum then fails); the other blocks stay as they are.
 * ``{"op": "kill", "pid": PID}``: SIGKILL a process the test started (a
   Redis server taken down mid-run).
 * ``{"op": "sleep", "seconds": S}``.
@@ -151,6 +154,30 @@ def corrupt_disk_store(root: str, mode: str) -> int:
 
 
 # -- the engine ---------------------------------------------------------------
+
+def damage_block(llm, url: str, tokens: list[int], index: int) -> str:
+    """Flip one payload byte of one stored block; returns its key (hex)."""
+    from store_backends import open_store
+    from ucm_connector import blockfmt
+    from ucm_connector.hashing import BlockHasher, keys_for_rank
+    from ucm_connector.layout import namespace_for
+
+    namespace = namespace_for(llm.llm_engine.vllm_config)
+    key = keys_for_rank(BlockHasher(namespace).request().update(tokens), 0)[index]
+    store = open_store(url)
+    try:
+        (value,) = store.get([key])
+        if value is None:
+            raise RuntimeError(f"block {index} of the prompt is not in {url}")
+        broken = bytearray(value)
+        broken[blockfmt.HEADER_NBYTES + 11] ^= 0xFF
+        store.delete([key])
+        if store.put([key], [bytes(broken)]) != [True]:
+            raise RuntimeError("the damaged block could not be written back")
+    finally:
+        store.close()
+    return key.hex()
+
 
 def build_llm(spec: dict):
     from vllm import LLM
@@ -319,6 +346,9 @@ def main(spec_path: str, out_path: str) -> int:
                                             quiet_s=float(step.get("quiet_s", 0.6)))}
             elif op == "corrupt":
                 res = {"files": corrupt_disk_store(step["root"], step["mode"])}
+            elif op == "damage":
+                res = {"key": damage_block(llms[i], specs[i]["store"], [int(t) for t in step["tokens"]],
+                                           int(step["index"]))}
             elif op == "kill":
                 os.kill(int(step["pid"]), signal.SIGKILL)
                 res = {}

@@ -83,6 +83,7 @@ CHAT_NEXT = _source_tokens("heapq.py", 100, 100)            # chat turn 2's new 
 D = _source_tokens("fractions.py", 100, 450)                # fresh prompts of the batch
 E = _source_tokens("bisect.py", 40, 300)
 L = _source_tokens("argparse.py", 200, 1500)                # long: chunked prefill, 11 blocks
+AX = A + _source_tokens("shutil.py", 100, 400)              # A and 3 blocks more: 8 full blocks
 SALT = "tenant-7"
 SHORT = 16                                                  # tokens generated per prompt
 CHAT_T1_TOKENS = 60             # turn 1 runs past the block boundary at 640
@@ -251,7 +252,25 @@ def engines(tmp_path_factory, request):
     def connector(store, steps, model=TINY, **kw):
         return {"model": model, "store": store, "prefix_caching": False, "steps": steps, **kw}
 
-    eng.add(Run("ref", {"model": TINY, "store": None, "prefix_caching": True, "steps": workload}))
+    eng.add(Run("ref", {"model": TINY, "store": None, "prefix_caching": True,
+                        "steps": workload + [_gen("ax_cold", [AX]), _gen("ax_warm", [AX])]}))
+
+    # A corrupt block in the middle of a stored prompt, met by a longer prompt
+    # whose first chunk is computed in the step of the failed load; then the
+    # longer prompt again and again.
+    poison_url = f"disk://{workdir}/store-poison"
+    eng.add(Run("poison", connector(poison_url, [
+        _gen("p_cold", [A]),
+        {"op": "flush", "name": "flush_a", "min_blocks": 5},
+        {"op": "damage", "name": "damage", "tokens": A, "index": 2},
+        _gen("p_failed", [AX]),
+        {"op": "flush", "name": "flush_ax", "min_blocks": 8},
+        _gen("p_again1", [AX]),
+        _gen("p_again2", [AX]),
+        {"op": "flush", "name": "flush_end", "quiet_s": 1.0},
+        _gen("p_again3", [AX]),
+    ])))
+    eng.poison_url = poison_url
     eng.add(Run("disk1", connector(disk_url, _with_flushes(workload))))
 
     def disk2_spec(e):
@@ -570,6 +589,33 @@ def test_corrupt_block_is_caught_and_recomputed(engines):
     assert stderr.count("Recovered from KV load failure") >= 2, engines.wait("disk2").tail()
     # ...and the connector logged the damage once, not once per block.
     assert stderr.count("ucm-connector: block check (checksum mismatch) failed") == 1
+
+
+@uses('ref', 'poison')
+def test_a_corrupt_block_mid_prompt_never_leads_to_a_wrong_token(engines):
+    """Block 2 of a stored 5-block prompt is corrupt.  A longer prompt hits
+    all 5; block 2 fails its check, and the step that loaded it has already
+    computed the next chunk on the bad page: that KV is not saved, the
+    recomputed blocks are, and every later run of the prompt hits 8 blocks
+    and gives vLLM's own prefix-cache output.  The store ends holding only
+    sound blocks."""
+    from store_backends import open_store
+    from ucm_connector import blockfmt
+    from ucm_connector.manifest import is_manifest_key
+
+    ref, got = engines.result("ref"), engines.result("poison")
+    assert got["p_failed"]["finish"] == ["length"]
+    assert "Recovered from KV load failure" in engines.wait("poison").stderr
+    for step in ("p_again1", "p_again2", "p_again3"):
+        _same(got[step], ref["ax_warm"], f"{step}: the prompt after the failed load")
+    store = open_store(engines.poison_url)
+    try:
+        keys = [k for batch in store.iter_keys() for k in batch if not is_manifest_key(k)]
+        assert len(keys) == 8
+        for key, value in zip(keys, store.get(keys)):
+            blockfmt.verify(value, blockfmt.parse_header(value).namespace_digest, key=key)
+    finally:
+        store.close()
 
 
 # -- other model on the same store ---------------------------------------------------------------

@@ -127,3 +127,53 @@ def test_save_outcomes_say_written_present_and_not_stored(store):
                                        ("present", keys[0]), ("present", keys[1]),
                                        ("written", keys[2])])
     w.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "layer"])
+def test_kv_computed_on_a_block_that_failed_to_load_is_not_saved(store, mode):
+    """A block fails its check in this step's load: the step's saves that
+    read it (``loaded_inputs``) are dropped; the others are written."""
+    src = _caches(7)
+    saver = _worker(store, src)
+    keys = _keys(8)
+    saver.save([BlockPlan("r", [0, 1, 2], keys[:3])])
+    assert saver.flush(10)
+    saver.close()
+    value = bytearray(store.get([keys[1]])[0])
+    value[blockfmt.HEADER_NBYTES + 5] ^= 0xFF
+    store.delete([keys[1]])
+    store.put([keys[1]], [bytes(value)])
+
+    w = _worker(store, _caches(8), mode)
+    w.load([BlockPlan("q", [10, 11, 12], keys[:3])])
+    if mode == "layer":
+        for name in w._layer_index:
+            w.wait_for_layer(name)
+    w.save([BlockPlan("q", [13, 14], keys[3:5], loaded_inputs=[10, 11, 12]),
+            BlockPlan("other", [15], keys[5:6], loaded_inputs=[])])
+    assert w.flush(10)
+    assert w.take_load_errors() == {11}
+    assert store.contains(keys[3:6]) == [False, False, True]
+    w.close()
+
+
+def test_with_tp_a_failure_on_another_rank_drops_the_save_here(store):
+    """This rank loaded every block, but another rank's load failed: the
+    union over the TP group decides."""
+    src = _caches(9)
+    saver = _worker(store, src)
+    keys = _keys(4)
+    saver.save([BlockPlan("r", [0, 1], keys[:2])])
+    assert saver.flush(10)
+    saver.close()
+
+    w = worker_mod.UCMWorker(store=store, namespace_digest=NS, tp_rank=0, num_blocks=NUM_BLOCKS,
+                             max_pending_nbytes=1 << 30, stats=StatsCollector(), blocks_per_request=8,
+                             share_failures=lambda mine: mine | {11})
+    w.register_kv_caches(_caches(10))
+    w.load([BlockPlan("q", [10, 11], keys[:2])])
+    w.save([BlockPlan("q", [12], keys[2:3], loaded_inputs=[10, 11])])
+    assert w.flush(10)
+    assert w.take_load_errors() == set()
+    assert store.contains(keys[2:3]) == [False]
+    w.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -40,6 +42,57 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     saves: list[BlockPlan] = dataclasses.field(default_factory=list)
 
 
+KEEP_POLICY_ENV = "UCM_KEEP_KV_LOAD_FAILURE_POLICY"
+_policy_logged: set[str] = set()
+
+
+def _policy_given() -> bool:
+    """Whether the user set ``kv_load_failure_policy`` themselves.  vLLM's
+    config object holds the value, not whether it was given, so: on the
+    command line (the JSON of ``--kv-transfer-config`` or its dotted form;
+    vLLM's engine processes inherit the command line), or
+    UCM_KEEP_KV_LOAD_FAILURE_POLICY=1 (for the Python API)."""
+    if os.environ.get(KEEP_POLICY_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    return any("kv_load_failure_policy" in arg for arg in sys.argv[1:])
+
+
+def settle_load_failure_policy(transfer_config) -> None:
+    """A block that fails its checks, or is gone by the time it is read,
+    must cost a recompute, never a failed request.  vLLM's default policy
+    ('fail') is switched to 'recompute'; a policy the user chose is kept,
+    with a warning of what 'fail' means here."""
+    policy = getattr(transfer_config, "kv_load_failure_policy", None)
+    if policy != "fail":
+        return
+    if _policy_given():
+        if "kept" not in _policy_logged:
+            _policy_logged.add("kept")
+            logger.warning(
+                "ucm-connector: kv_load_failure_policy is 'fail' as configured: a stored block that fails "
+                "its checks or is evicted between lookup and load fails its request (FINISHED_ERROR); "
+                "'recompute' is recommended: vLLM then recomputes the block and the request succeeds")
+        return
+    transfer_config.kv_load_failure_policy = "recompute"
+    if "switched" not in _policy_logged:
+        _policy_logged.add("switched")
+        logger.info(
+            "ucm-connector: kv_load_failure_policy set to 'recompute' (vLLM's default is 'fail'): a stored "
+            "block that cannot be loaded is recomputed instead of failing its request; to keep 'fail', give "
+            "it in --kv-transfer-config or set %s=1", KEEP_POLICY_ENV)
+
+
+def _tp_union(block_ids: set[int]) -> set[int]:
+    """The union of the TP ranks' sets (a collective on vLLM's TP group)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    gathered: list = [None] * group.world_size
+    dist.all_gather_object(gathered, sorted(block_ids), group=group.cpu_group)
+    return {b for part in gathered for b in part}
+
+
 def _open_store(config: UCMConfig):
     urls = config.store_urls
     if len(urls) == 1:
@@ -64,9 +117,9 @@ class UCMConnector(KVConnectorBase_V1):
         except StoreError as exc:
             raise RuntimeError(f"ucm-connector cannot start: {exc}") from None
         if role == KVConnectorRole.SCHEDULER:
-            # A block that fails to load is recomputed, never a failed request.
-            if getattr(transfer_config, "kv_load_failure_policy", "recompute") == "fail":
-                transfer_config.kv_load_failure_policy = "recompute"
+            # Under MultiConnector this is the child's own copy; the patch of
+            # MultiConnector.__init__ settles the policy vLLM reads.
+            settle_load_failure_policy(transfer_config)
             namespace = namespace_for(vllm_config, tp_rank=0)
             logger.info("ucm-connector: store %s, namespace %s, role %s", self.store.url,
                         namespace.describe(), kv_role)
@@ -96,7 +149,8 @@ class UCMConnector(KVConnectorBase_V1):
                 num_blocks=num_blocks, max_pending_nbytes=self.config.max_pending_save_mib << 20,
                 stats=self.stats,
                 blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size,
-                load_mode=self.config.load_mode, events=OutcomeLog(enabled=with_events))
+                load_mode=self.config.load_mode, events=OutcomeLog(enabled=with_events),
+                share_failures=_tp_union if namespace.tp_size > 1 else None)
             from .plugin import apply_sparse
 
             # Patches vLLM's attention path only when a sparse method is configured.

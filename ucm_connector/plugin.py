@@ -13,6 +13,9 @@ CONNECTOR_NAME = "UCMConnector"
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    import patches
+
+    patches.apply_connector_patches()
     registry = getattr(KVConnectorFactory, "_registry", {})
     if CONNECTOR_NAME in registry:
         return

@@ -12,6 +12,7 @@ counted and logged once, and the request is computed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Any
@@ -29,11 +30,22 @@ logger = logging.getLogger("vllm.ucm_connector.scheduler")
 @dataclasses.dataclass
 class BlockPlan:
     """Blocks of one request to load or save: ``block_ids[i]`` <-> ``keys[i]``
-    (TP rank 0's keys; each worker derives its own rank's)."""
+    (TP rank 0's keys; each worker derives its own rank's).
+
+    Saves only: ``loaded_inputs`` are the blocks this step's computation of
+    the request reads that were loaded from the store in this step or the
+    one before (whose outcome the scheduler may not know yet); if any of
+    them failed to load, the KV computed on top of it is wrong and the
+    worker drops the save.  ``overwrite``: the blocks are saved again after
+    a load failure, so whatever the store holds under their keys is
+    replaced rather than kept.
+    """
 
     req_id: str
     block_ids: list[int]
     keys: list[bytes]
+    loaded_inputs: list[int] = dataclasses.field(default_factory=list)
+    overwrite: bool = False
 
 
 @dataclasses.dataclass
@@ -42,9 +54,15 @@ class _RequestState:
     keys: RequestKeys | None
     block_ids: list[int] = dataclasses.field(default_factory=list)
     num_stored_blocks: int = 0      # leading blocks known to be in the store
-    lookup: tuple[int, int] | None = None   # (blocks asked, blocks found)
+    # (blocks asked, preemptions so far, blocks found): a lookup is reused
+    # while the request waits, not after it was preempted (it may have
+    # saved blocks since).
+    lookup: tuple[int, int, int] | None = None
     num_local_tokens: int = 0
     pending_load: BlockPlan | None = None
+    # Blocks below this index were stored or loaded before a load failure
+    # made the request recompute them: their re-saves overwrite.
+    overwrite_until: int = 0
 
 
 def _request_extras(request) -> dict[str, Any]:
@@ -78,6 +96,8 @@ class UCMScheduler:
         self.events = events or EventTracker(enabled=False, tp_size=tp_size, block_size=block_size)
         self._states: dict[str, _RequestState] = {}
         self._logged_store_error = False
+        # Block ids loaded (sync or layerwise) in this step and the one before.
+        self._recent_loads: collections.deque[set[int]] = collections.deque([set(), set()], maxlen=2)
 
     # -- helpers -----------------------------------------------------------
 
@@ -135,11 +155,12 @@ class UCMScheduler:
         keys = self._keys(state)
         # Always leave at least one token to compute: it yields the logits.
         max_blocks = min(len(keys), (request.num_tokens - 1) // self.block_size)
-        if state.lookup is not None and state.lookup[0] == max_blocks:
-            found = state.lookup[1]
+        preemptions = getattr(request, "num_preemptions", 0)
+        if state.lookup is not None and state.lookup[:2] == (max_blocks, preemptions):
+            found = state.lookup[2]
         else:
             found = self._stored_prefix(keys[:max_blocks])
-            state.lookup = (max_blocks, found)
+            state.lookup = (max_blocks, preemptions, found)
             self.stats.add(lookup_tokens=max_blocks * self.block_size)
         if found < self.min_hit_blocks:
             found = 0
@@ -186,6 +207,10 @@ class UCMScheduler:
                 if state.pending_load.block_ids:
                     loads.append(state.pending_load)
                 state.pending_load = None
+        # An asynchronous load is never read in the step that starts it (the
+        # request waits until it is reported done, failures included).
+        self._recent_loads.append(set() if self.load_async else {b for plan in loads for b in plan.block_ids})
+        recent_loads = self._recent_loads[0] | self._recent_loads[1]
 
         saves = []
         if self.save:
@@ -202,7 +227,13 @@ class UCMScheduler:
                 num_full = min(num_full, len(keys))
                 first = state.num_stored_blocks
                 if num_full > first:
-                    saves.append(BlockPlan(req_id, state.block_ids[first:num_full], keys[first:num_full]))
+                    # The pages this step's computation reads (the blocks
+                    # before its first token) that came from the store lately.
+                    inputs = state.block_ids[:request.num_computed_tokens // self.block_size]
+                    loaded_inputs = [b for b in inputs if b in recent_loads] if recent_loads else []
+                    saves.append(BlockPlan(req_id, state.block_ids[first:num_full], keys[first:num_full],
+                                           loaded_inputs=loaded_inputs,
+                                           overwrite=first < state.overwrite_until))
                     if self.events.enabled:
                         self.events.planned(keys[first:num_full], request.all_token_ids, first,
                                             keys[first - 1] if first else None,
@@ -213,10 +244,13 @@ class UCMScheduler:
     def on_load_errors(self, block_ids: set[int]) -> None:
         """Blocks that failed to load were dropped from the store (the
         workers delete bad ones) and are being recomputed: save them again
-        once they are, rather than leave a hole in the stored prefix."""
+        once they are, rather than leave a hole in the stored prefix.  The
+        re-saves overwrite: from the failed block on, nothing the store
+        holds under those keys is trusted to survive."""
         for state in self._states.values():
             for i, block_id in enumerate(state.block_ids[:state.num_stored_blocks]):
                 if block_id in block_ids:
+                    state.overwrite_until = max(state.overwrite_until, state.num_stored_blocks)
                     state.num_stored_blocks = i
                     state.lookup = None
                     break

@@ -22,6 +22,7 @@ import collections
 import logging
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -60,7 +61,8 @@ class _LayerJob:
 class UCMWorker:
     def __init__(self, *, store: KVStore, namespace_digest: bytes, tp_rank: int, num_blocks: int,
                  max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0,
-                 load_mode: str = "sync", events: OutcomeLog | None = None) -> None:
+                 load_mode: str = "sync", events: OutcomeLog | None = None,
+                 share_failures: Callable[[set[int]], set[int]] | None = None) -> None:
         self.store = store
         self.namespace_digest = namespace_digest
         self.tp_rank = tp_rank
@@ -75,13 +77,20 @@ class UCMWorker:
         # save does not pay for fresh pages (page faults) on the engine's path.
         self._free_rows: list[np.ndarray] = []
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[list[bytes], np.ndarray]] = collections.deque()
+        # (keys, rows, keys whose stored value is replaced rather than kept)
+        self._queue: collections.deque[tuple[list[bytes], np.ndarray, list[bytes]]] = collections.deque()
         self._pending_nbytes = 0
         self._writing = 0
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="ucm-save-writer", daemon=True)
         self._writer.start()
         self._logged: set[str] = set()
+        # With TP > 1 every rank's forward pass reads every rank's pages
+        # (through the all-reduce), so a save is dropped when a load failed
+        # on any rank: this returns the union over the TP group.
+        self._share_failures = share_failures
+        # Blocks whose load failed, this step and the one before.
+        self._recent_failures: collections.deque[set[int]] = collections.deque([set(), set()], maxlen=2)
         self.load_mode = load_mode
         self.events = events or OutcomeLog(enabled=False)
         self._layer_index: dict[str, int] = {}
@@ -277,17 +286,62 @@ class UCMWorker:
 
     # -- saves -------------------------------------------------------------
 
+    def _step_load_failures(self) -> set[int]:
+        """Blocks whose sync or layerwise load failed in this step (known
+        before the save: the layer job is waited for)."""
+        job = self._layer_job
+        if job is not None:
+            job.done.wait()
+            return self.load_errors | job.bad_block_ids
+        return set(self.load_errors)
+
+    def _drop_tainted(self, plans: list[BlockPlan]) -> list[BlockPlan]:
+        """Never save KV computed on a page whose load failed: vLLM rewinds
+        the request and recomputes it, but this step's forward pass already
+        wrote KV that read the bad page.  Failures of the step before count
+        too, for a step scheduled before vLLM saw them."""
+        failures = self._step_load_failures()
+        if self._share_failures is not None and any(plan.loaded_inputs for plan in plans):
+            # Every rank gets the same plans, so all of them take part.
+            failures = self._share_failures(failures)
+        self._recent_failures.append(failures)
+        failed = self._recent_failures[0] | self._recent_failures[1]
+        if not failed:
+            return plans
+        kept = []
+        for plan in plans:
+            if failed.isdisjoint(plan.loaded_inputs):
+                kept.append(plan)
+                continue
+            keys = keys_for_rank(plan.keys, self.tp_rank)
+            self.stats.add(skipped_saves=len(keys))
+            self.events.add(NOT_STORED, keys)
+            if "tainted" not in self._logged:
+                self._logged.add("tainted")
+                logger.warning(
+                    "ucm-connector: not saving %d blocks of request %s: computed on blocks whose load failed "
+                    "in this step; vLLM recomputes them and they are saved then (logged once)",
+                    len(keys), plan.req_id)
+        return kept
+
     def save(self, plans: list[BlockPlan]) -> None:
+        """This step's saves (``wait_for_save``).  Called every step, with
+        or without plans, so that load failures are seen step by step."""
+        plans = self._drop_tainted(plans)
         if not plans:
             return
         t0 = time.perf_counter()
         block_ids = [b for plan in plans for b in plan.block_ids]
         keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
+        overwrite = [plan.overwrite for plan in plans for _ in plan.block_ids]
         if self.transfer is None:
             self.events.add(NOT_STORED, keys)
             return
         try:
-            present = self.store.contains(keys)
+            # Re-saves after a load failure replace what the store holds.
+            asked = [k for k, o in zip(keys, overwrite) if not o]
+            answers = iter(self.store.contains(asked) if asked else [])
+            present = [False if o else next(answers) for o in overwrite]
         except StoreError as exc:
             self._failed("store lookup before save", exc)
             self.stats.add(skipped_saves=len(keys))
@@ -313,9 +367,10 @@ class UCMWorker:
         todo_keys = [keys[i] for i in todo]
         for row, key in zip(rows, todo_keys):
             blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
+        replace = [keys[i] for i in todo if overwrite[i]]
         self.stats.add(save_seconds=time.perf_counter() - t0)
         with self._cond:
-            self._queue.append((todo_keys, rows))
+            self._queue.append((todo_keys, rows, replace))
             self._cond.notify_all()
 
     def _take_rows(self, n: int) -> np.ndarray:
@@ -338,10 +393,14 @@ class UCMWorker:
                     self._cond.wait()
                 if not self._queue:
                     return
-                keys, rows = self._queue.popleft()
+                keys, rows, replace = self._queue.popleft()
                 self._writing += 1
             t0 = time.perf_counter()
             try:
+                if replace:
+                    # Stores keep the first value put under a key; a value
+                    # that must not survive is deleted first (in every tier).
+                    self.store.delete(replace)
                 stored = self.store.put(keys, [memoryview(row) for row in rows])
             except StoreError as exc:
                 self._failed("store save", exc)

@@ -1,0 +1,290 @@
+"""UCMConnector under vLLM's real scheduler (tests/kvharness.py): hits,
+misses, chunked prefill, local prefix cache + store, preemption and resume,
+aborts mid-load, MultiConnector, and load failures in every load mode on
+every kind of store.  After every step the store must hold exactly the KV
+of each block's tokens, and every output must equal the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+
+from kvharness import Harness, reference_generate
+
+MODES = ["sync", "async", "layer"]
+STORES = ["disk", "shm", "redis", "tier"]
+BS = 16
+
+
+def _stop_shm(name: str) -> None:
+    from store_backends.shm_server import stop_server
+
+    try:
+        stop_server(name)
+    except Exception:
+        pass
+
+
+@pytest.fixture(params=STORES)
+def store_url(request, tmp_path):
+    kind = request.param
+    name = "h" + uuid.uuid4().hex[:10]
+    stop = None
+    if kind == "disk":
+        url = f"disk://{tmp_path}/store"
+    elif kind == "redis":
+        url = request.getfixturevalue("redis_server").url + f"?namespace={name}"
+    elif kind == "shm":
+        url, stop = f"shm://{name}?capacity=64MiB", name
+    else:
+        url, stop = [f"shm://{name}?capacity=64MiB", f"disk://{tmp_path}/lower"], name
+    yield url
+    if stop:
+        _stop_shm(stop)
+
+
+@pytest.fixture
+def disk_url(tmp_path):
+    return f"disk://{tmp_path}/store"
+
+
+@pytest.fixture
+def harnesses():
+    made: list[Harness] = []
+
+    def make(**kwargs) -> Harness:
+        h = Harness(**kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def prompt(n_tokens: int, seed: int = 0) -> list[int]:
+    return [(i * 7 + seed * 13) % 500 + 3 for i in range(n_tokens)]
+
+
+def run_one(h: Harness, tokens: list[int], max_tokens: int = 3) -> str:
+    req = h.add(tokens, max_tokens)
+    h.run()
+    assert h.outputs[req] == reference_generate(tokens, max_tokens, h.num_layers), \
+        f"request {req}: output differs from the reference"
+    return req
+
+
+def scheduler_is_empty(h: Harness) -> None:
+    pool = h.scheduler.kv_cache_manager.block_pool
+    assert not h.scheduler.requests, "requests left in the scheduler"
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
+
+
+# -- hits and misses ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_restarted_engine_hits_what_another_saved(store_url, mode, harnesses):
+    tokens = prompt(10 * BS + 5)
+    first = harnesses(store=store_url, load_mode=mode)
+    run_one(first, tokens)
+    assert first.counters()["saved_blocks"] == 10
+
+    second = harnesses(store=store_url, load_mode=mode)
+    run_one(second, tokens)
+    assert second.counters()["loaded_blocks"] == 10
+    assert second.counters()["load_errors"] == 0
+    scheduler_is_empty(second)
+
+
+def test_a_miss_computes_and_saves(disk_url, harnesses):
+    h = harnesses(store=disk_url)
+    run_one(h, prompt(5 * BS + 1))
+    assert h.counters()["loaded_blocks"] == 0
+    assert len(h.stored_blocks()) == 5
+
+
+def test_chunked_prefill_saves_each_chunk_and_loads_it_back(disk_url, harnesses):
+    tokens = prompt(12 * BS + 3, seed=1)
+    first = harnesses(store=disk_url, max_num_batched_tokens=40)
+    run_one(first, tokens)
+    assert len(first.steps) > 4, "the prompt was not split into chunks"
+    assert len(first.stored_blocks()) == 12
+
+    second = harnesses(store=disk_url, max_num_batched_tokens=40)
+    longer = tokens + prompt(60, seed=2)
+    run_one(second, longer)
+    assert second.counters()["loaded_blocks"] == 12
+
+
+def test_local_prefix_cache_and_store_together(disk_url, harnesses):
+    long = prompt(16 * BS + 2, seed=3)
+    run_one(harnesses(store=disk_url), long)
+
+    h = harnesses(store=disk_url)
+    run_one(h, long[:6 * BS] + prompt(20, seed=4))   # 6 blocks in the local cache now
+    loaded_before = h.counters()["loaded_blocks"]
+    run_one(h, long)
+    # The first 6 blocks come from vLLM's own cache, the next 10 from the store.
+    assert h.counters()["loaded_blocks"] - loaded_before == 10
+
+
+# -- load failures -------------------------------------------------------------------
+
+
+def _poison_setup(store_url, mode, harnesses, how):
+    """A stored 10-block prompt; then a new engine asks for its first 6
+    blocks followed by 4 new ones, and block 2 fails to load."""
+    stored = prompt(10 * BS + 5, seed=5)
+    run_one(harnesses(store=store_url), stored)
+    asked = stored[:6 * BS] + prompt(4 * BS + 5, seed=6)
+    h = harnesses(store=store_url, load_mode=mode)
+    bad_key = h.keys_of(stored)[2]
+    if how == "corrupt":
+        h.damage(bad_key)
+    else:
+        def drop_once(harness, out, done=[]):
+            if not done and harness.scheduler.requests:
+                harness.drop(bad_key)
+                done.append(1)
+        h.before_load = drop_once
+    return h, asked, bad_key
+
+
+@pytest.mark.parametrize("how", ["corrupt", "missing"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_load_never_leaves_wrong_kv_in_the_store(store_url, mode, how, harnesses):
+    h, asked, bad_key = _poison_setup(store_url, mode, harnesses, how)
+    run_one(h, asked)                      # check_store runs after every step
+    assert h.counters()["load_errors"] >= 1
+    assert any(s.invalid_block_ids for s in h.steps), "the failed block was not reported"
+    # Everything the request computed is stored, the failed block included,
+    # and a third engine gets a full, correct hit.
+    blocks = h.stored_blocks()
+    assert all(k in blocks for k in h.keys_of(asked)), "blocks of the recomputed request are missing"
+    third = harnesses(store=store_url, load_mode=mode)
+    run_one(third, asked)
+    assert third.counters()["loaded_blocks"] == 10
+    assert third.counters()["load_errors"] == 0
+
+
+def test_blocks_replanned_after_a_failure_replace_what_the_store_holds(disk_url, harnesses):
+    """A block re-saved after a load failure is written even when its key is
+    present: whatever the store held under it (here a value with a valid
+    envelope but the wrong KV) does not survive."""
+    from ucm_connector import blockfmt
+
+    stored = prompt(8 * BS + 5, seed=7)
+    first = harnesses(store=disk_url)
+    run_one(first, stored)
+    keys = first.keys_of(stored)
+    # Block 5 holds sound-looking wrong KV (as a poisoned save would have left).
+    (value,) = first._store.get([keys[5]])
+    payload = bytearray(value[blockfmt.HEADER_NBYTES:])
+    payload[0] ^= 1
+    forged = blockfmt.encode_block(first.namespace.digest, bytes(payload), key=keys[5])
+    first._store.delete([keys[5]])
+    first._store.put([keys[5]], [forged])
+    first.damaged.add(keys[5])   # check_store: allowed until replaced
+    # Block 2 is corrupt: the load fails there, and blocks 2.. are recomputed.
+    h = harnesses(store=disk_url, check_every_step=False)
+    h.damage(keys[2])
+    run_one(h, stored)
+    (now,) = h._store.get([keys[5]])
+    assert now != forged, "the re-saved block did not replace what the store held"
+    h.damaged.discard(keys[5])
+    h.damaged.discard(keys[2])
+    h.check_store()
+
+
+# -- preemption, aborts --------------------------------------------------------------
+
+
+def test_a_resumed_request_sees_the_blocks_it_saved_before_preemption(disk_url, harnesses):
+    """A request that saved blocks, was preempted and resumes loads what it
+    saved rather than what the store held when it first arrived."""
+    seed_tokens = prompt(2 * BS, seed=8)
+    run_one(harnesses(store=disk_url), seed_tokens + prompt(3, seed=9))   # 2 blocks stored
+
+    # 12 usable blocks.  B (5 blocks, about to need a 6th) decodes; A (6
+    # full blocks + 1 token, the first 2 stored) is admitted into the 7
+    # free blocks and prefills in chunks; B's next block preempts A after
+    # A has saved 3 more blocks.
+    h = harnesses(store=disk_url, num_blocks=13, max_num_batched_tokens=64, max_num_seqs=2,
+                  prefix_caching=False)
+    b_tokens = prompt(4 * BS + 14, seed=11)
+    b = h.add(b_tokens, 30, req_id="B")
+    h.step()
+    h.step()
+    a_tokens = seed_tokens + prompt(4 * BS + 1, seed=10)
+    a = h.add(a_tokens, 2, req_id="A")
+    h.run()
+    a_loads = [s.loads["A"] for s in h.steps if "A" in s.loads]
+    assert h.requests["A"].num_preemptions >= 1, "A was never preempted; the scenario needs it"
+    assert a_loads[0] == 2
+    assert len(a_loads) >= 2 and a_loads[-1] > 2, \
+        f"A resumed and loaded {a_loads[1:]} blocks: not the ones it saved before preemption"
+    assert h.outputs[a] == reference_generate(a_tokens, 2, h.num_layers)
+    assert h.outputs[b] == reference_generate(b_tokens, 30, h.num_layers)
+    scheduler_is_empty(h)
+
+
+def test_an_abort_during_an_async_load_frees_everything(disk_url, harnesses):
+    tokens = prompt(10 * BS + 5, seed=12)
+    run_one(harnesses(store=disk_url), tokens)
+    h = harnesses(store=disk_url, load_mode="async")
+    req = h.add(tokens, 3)
+    h.step()                                  # the load is handed to the loader
+    h.abort(req)
+    for _ in range(50):
+        if not h.scheduler.requests:
+            break
+        h.step()
+    scheduler_is_empty(h)
+    run_one(h, tokens)                        # the engine carries on, correct
+
+
+# -- MultiConnector, the failure policy ----------------------------------------------
+
+
+def test_under_multiconnector_a_load_failure_is_recomputed_not_failed(disk_url, harnesses):
+    stored = prompt(10 * BS + 5, seed=13)
+    run_one(harnesses(store=disk_url, multi=True, policy=None), stored)
+    h = harnesses(store=disk_url, multi=True, policy=None)
+    assert h.vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+    h.damage(h.keys_of(stored)[3])
+    req = run_one(h, stored)
+    assert "error" not in h.finished[req].lower()
+
+
+def test_an_explicit_fail_policy_is_kept_and_the_reason_logged(disk_url, harnesses, monkeypatch, caplog):
+    monkeypatch.setenv("UCM_KEEP_KV_LOAD_FAILURE_POLICY", "1")
+    with caplog.at_level(logging.WARNING, logger="vllm.ucm_connector"):
+        h = harnesses(store=disk_url, policy="fail")
+    assert h.vllm_config.kv_transfer_config.kv_load_failure_policy == "fail"
+    assert any("kv_load_failure_policy" in r.getMessage() and "recompute" in r.getMessage()
+               for r in caplog.records), "no log line says why recompute is recommended"
+
+
+def test_vllms_default_fail_policy_is_switched_to_recompute(disk_url, harnesses):
+    h = harnesses(store=disk_url, policy=None)
+    assert h.vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+
+
+def test_a_fail_policy_given_on_the_command_line_is_kept(monkeypatch):
+    from vllm.config import KVTransferConfig
+
+    from ucm_connector.connector import settle_load_failure_policy
+
+    monkeypatch.delenv("UCM_KEEP_KV_LOAD_FAILURE_POLICY", raising=False)
+    config = KVTransferConfig(kv_connector="UCMConnector", kv_role="kv_both", kv_load_failure_policy="fail")
+    monkeypatch.setattr("sys.argv", ["vllm", "serve", "--kv-transfer-config",
+                                     '{"kv_connector":"UCMConnector","kv_load_failure_policy":"fail"}'])
+    settle_load_failure_policy(config)
+    assert config.kv_load_failure_policy == "fail"
+    monkeypatch.setattr("sys.argv", ["vllm", "serve", "--kv-transfer-config", '{"kv_connector":"UCMConnector"}'])
+    settle_load_failure_policy(config)
+    assert config.kv_load_failure_policy == "recompute"
