@@ -1,7 +1,10 @@
 """LoRA adapters in block keys: identified by their files, not their names.
 
 Adapters here are real PEFT adapter directories (adapter_config.json and
-adapter_model.safetensors) written to temporary directories.
+adapter_model.safetensors) written to temporary directories. The scheduler
+tests drive ``UCMScheduler`` the way vLLM does, with vLLM's own
+``LoRARequest``, against a real ``disk://`` store; a new ``UCMScheduler``
+stands for a new engine on the same store.
 """
 
 from __future__ import annotations
@@ -10,15 +13,20 @@ import json
 import logging
 import os
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from store_backends import open_store
 from ucm_connector import adapters as adapters_module
 from ucm_connector.adapters import AdapterIdentities
-from ucm_connector.hashing import adapter_fingerprint
+from ucm_connector.hashing import BlockHasher, Namespace, adapter_fingerprint
 
+BLOCK_SIZE = 16
+NUM_BLOCKS = 5
+PROMPT = list(range(100, 100 + NUM_BLOCKS * BLOCK_SIZE + 1))   # 5 full blocks + 1 token
 CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["k_proj", "v_proj"], "peft_type": "LORA",
           "task_type": "CAUSAL_LM", "use_rslora": False, "bias": "none"}
 
@@ -201,3 +209,125 @@ def test_files_changed_under_a_served_adapter_id_stop_its_sharing(tmp_path):
     assert identities.identity(1, a, "ad") is None
     # A new id makes vLLM load the files afresh: the new weights, identified.
     assert identities.identity(2, a, "ad") == f"lora:{adapter_fingerprint(a)}"
+
+
+# -- the scheduler: what engines share --------------------------------------
+
+def make_namespace() -> Namespace:
+    return Namespace(model_fingerprint="0123456789abcdef0123456789abcdef", dtype="bfloat16",
+                     kv_layout="CPU_ATTN/vec", block_size=BLOCK_SIZE, num_layers=2,
+                     num_kv_heads=2, head_size=32)
+
+
+class Engine:
+    """One engine's scheduler role on a shared store, serving one request at
+    a time; the workers' saves are stood in for by putting the planned keys."""
+
+    def __init__(self, store) -> None:
+        from ucm_connector.metrics import StatsCollector
+        from ucm_connector.scheduler import UCMScheduler
+
+        self.store = store
+        self.scheduler = UCMScheduler(store=store, hasher=BlockHasher(make_namespace()),
+                                      block_size=BLOCK_SIZE, tp_size=1, load=True, save=True,
+                                      min_hit_blocks=1, stats=StatsCollector())
+        self._next_id = 0
+
+    def serve(self, tokens: list[int], lora_request) -> SimpleNamespace:
+        """Hit tokens (loaded from the store) and the keys saved."""
+        self._next_id += 1
+        request = SimpleNamespace(
+            request_id=f"req-{self._next_id}", lora_request=lora_request, mm_features=None,
+            cache_salt=None, prompt_embeds=None, all_token_ids=list(tokens),
+            num_tokens=len(tokens), num_computed_tokens=0)
+        hit_tokens, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+        num_blocks = -(-len(tokens) // BLOCK_SIZE)
+        block_ids = list(range(num_blocks))
+        if hit_tokens:
+            blocks = SimpleNamespace(get_block_ids=lambda: (block_ids,))
+            self.scheduler.update_state_after_alloc(request, blocks, hit_tokens)
+        request.num_computed_tokens = hit_tokens
+        output = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id, block_ids=(block_ids,))],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+            num_scheduled_tokens={request.request_id: len(tokens) - hit_tokens})
+        loads, saves = self.scheduler.build_plans(output)
+        saved = [key for plan in saves for key in plan.keys]
+        if saved:
+            self.store.put(saved, [b"kv"] * len(saved))
+        self.scheduler.request_finished(request)
+        return SimpleNamespace(hit_tokens=hit_tokens, saved=saved,
+                               loaded=[key for plan in loads for key in plan.keys])
+
+
+def lora(name: str, int_id: int, path) -> object:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=os.fspath(path))
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = open_store(f"disk://{tmp_path}/store")
+    yield store
+    store.close()
+
+
+FULL_HIT = NUM_BLOCKS * BLOCK_SIZE
+
+
+def test_two_adapters_with_one_name_never_share_a_block(tmp_path, store):
+    first = write_adapter(tmp_path / "deploy-1" / "ad", seed=0)
+    second = write_adapter(tmp_path / "deploy-2" / "ad", seed=1)
+    assert len(Engine(store).serve(PROMPT, lora("ad", 1, first)).saved) == NUM_BLOCKS
+    other = Engine(store).serve(PROMPT, lora("ad", 1, second))
+    assert other.hit_tokens == 0
+    assert len(other.saved) == NUM_BLOCKS
+    # Each adapter still finds its own blocks.
+    assert Engine(store).serve(PROMPT, lora("ad", 1, first)).hit_tokens == FULL_HIT
+    assert Engine(store).serve(PROMPT, lora("ad", 1, second)).hit_tokens == FULL_HIT
+
+
+def test_the_same_adapter_from_two_paths_under_two_names_shares_blocks(tmp_path, store):
+    original = write_adapter(tmp_path / "a" / "sql", seed=0)
+    copy = tmp_path / "mirror" / "sql-v1"
+    shutil.copytree(original, copy)
+    Engine(store).serve(PROMPT, lora("sql", 1, original))
+    served = Engine(store).serve(PROMPT, lora("sql-v1", 3, copy))
+    assert served.hit_tokens == FULL_HIT
+    assert served.saved == []
+
+
+def test_an_adapter_redeployed_under_its_path_misses_the_old_blocks(tmp_path, store):
+    path = write_adapter(tmp_path / "ad", seed=0)
+    Engine(store).serve(PROMPT, lora("ad", 1, path))
+    rewrite_keeping_size_and_mtime(path, seed=1)
+    assert Engine(store).serve(PROMPT, lora("ad", 1, path)).hit_tokens == 0
+
+
+def test_an_adapter_and_the_base_model_never_share_a_block(tmp_path, store):
+    path = write_adapter(tmp_path / "ad")
+    Engine(store).serve(PROMPT, None)
+    assert Engine(store).serve(PROMPT, lora("ad", 1, path)).hit_tokens == 0
+
+
+def test_an_unreadable_adapter_neither_loads_nor_saves(tmp_path, store):
+    Engine(store).serve(PROMPT, None)
+    engine = Engine(store)
+    for path in ("some-org/hub-adapter", tmp_path / "missing"):
+        served = engine.serve(PROMPT, lora("ad", 1, path))
+        assert (served.hit_tokens, served.saved) == (0, [])
+    assert sum(len(keys) for keys in store.iter_keys()) == NUM_BLOCKS
+
+
+def test_an_adapter_changed_under_a_live_engine_stops_sharing_there(tmp_path, store):
+    path = write_adapter(tmp_path / "ad", seed=0)
+    engine = Engine(store)
+    engine.serve(PROMPT, lora("ad", 1, path))
+    rewrite_keeping_size_and_mtime(path, seed=1)
+    # vLLM's workers may still run the old weights under id 1.
+    served = engine.serve(PROMPT, lora("ad", 1, path))
+    assert (served.hit_tokens, served.saved) == (0, [])
+    # Under a new id they load the new files, which have no blocks yet.
+    served = engine.serve(PROMPT, lora("ad", 2, path))
+    assert served.hit_tokens == 0 and len(served.saved) == NUM_BLOCKS

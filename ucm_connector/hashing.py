@@ -24,6 +24,11 @@ Keys
                    with digest_{-1} = root
         key_i    = digest_i || tp_rank as u16 LE                   (18 bytes)
 
+    ``lora`` is the adapter's identity, a fingerprint of its files
+    (``adapter_fingerprint``, via ``adapters.AdapterIdentities``), never its
+    name or path: one name can mean two adapters, and one adapter can live
+    under two paths.
+
     ``tp_group_digest`` is the namespace digest without the TP rank, and the
     rank is the key's last two bytes instead. All ranks of one deployment
     thereby share one chain: the scheduler hashes a prompt once and derives
