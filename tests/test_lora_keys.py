@@ -331,3 +331,32 @@ def test_an_adapter_changed_under_a_live_engine_stops_sharing_there(tmp_path, st
     # Under a new id they load the new files, which have no blocks yet.
     served = engine.serve(PROMPT, lora("ad", 2, path))
     assert served.hit_tokens == 0 and len(served.saved) == NUM_BLOCKS
+
+
+# -- the engine's LoRA settings ---------------------------------------------
+
+def vllm_config_with(lora_config, model_dtype: str = "bfloat16"):
+    import torch
+
+    return SimpleNamespace(lora_config=lora_config,
+                           model_config=SimpleNamespace(dtype=getattr(torch, model_dtype)))
+
+
+def test_engine_lora_settings_follow_what_changes_an_adapters_output():
+    from vllm.config import LoRAConfig
+
+    from ucm_connector.layout import lora_engine_settings
+
+    base = lora_engine_settings(vllm_config_with(LoRAConfig(max_lora_rank=8)))
+    assert lora_engine_settings(vllm_config_with(None)) == ""
+    # "auto" is the model's dtype.
+    assert base == lora_engine_settings(vllm_config_with(LoRAConfig(max_lora_rank=8,
+                                                                    lora_dtype="bfloat16")))
+    assert base != lora_engine_settings(vllm_config_with(LoRAConfig(max_lora_rank=8),
+                                                         model_dtype="float16"))
+    for changed in (dict(lora_dtype="float16"), dict(target_modules=["k_proj"]),
+                    dict(fully_sharded_loras=True)):
+        assert base != lora_engine_settings(vllm_config_with(LoRAConfig(max_lora_rank=8, **changed)))
+    for inert in (dict(max_loras=4), dict(max_cpu_loras=8)):
+        assert base == lora_engine_settings(vllm_config_with(LoRAConfig(max_lora_rank=8, **inert)))
+    assert base == lora_engine_settings(vllm_config_with(LoRAConfig(max_lora_rank=64)))
