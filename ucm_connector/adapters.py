@@ -98,18 +98,23 @@ class AdapterIdentities:
                 return self._format(pinned[1])
             fingerprint = self._fingerprint(local_path, signature)
         except (OSError, ValueError) as exc:
-            self._log_once(("unreadable", local_path), "ucm-connector: LoRA adapter %r (%s): cannot "
-                           "read its files (%s); its requests are computed without the external "
-                           "cache. Serve the adapter from a local directory to share its KV.",
-                           name, path, exc)
+            self._log_once(
+                ("unreadable", local_path),
+                "ucm-connector: LoRA adapter %r at %r: cannot read its files (%s)"
+                "; its requests run without the external cache"
+                " (serve the adapter from a local directory to share its KV)",
+                name, path, exc)
             return None
         if pinned is not None and pinned[1] != fingerprint:
             self._unshared_ids.add(adapter_id)
             self._pinned.pop(adapter_id, None)
-            self._log_once(("changed", adapter_id), "ucm-connector: LoRA adapter %r (id %d, %s) "
-                           "changed on disk while this engine serves it; its requests no longer "
-                           "use the external cache in this engine. Deploy a changed adapter to a "
-                           "new directory or under a new id.", name, adapter_id, path)
+            self._log_once(
+                ("changed", adapter_id),
+                "ucm-connector: LoRA adapter %r (id %d) at %r"
+                " changed on disk while this engine serves it"
+                "; its requests run without the external cache in this engine"
+                " (deploy a changed adapter to a new directory or under a new id)",
+                name, adapter_id, path)
             return None
         self._pinned[adapter_id] = (signature, fingerprint)
         return self._format(fingerprint)
