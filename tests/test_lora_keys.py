@@ -360,3 +360,17 @@ def test_engine_lora_settings_follow_what_changes_an_adapters_output():
     for inert in (dict(max_loras=4), dict(max_cpu_loras=8)):
         assert base == lora_engine_settings(vllm_config_with(LoRAConfig(max_lora_rank=8, **inert)))
     assert base == lora_engine_settings(vllm_config_with(LoRAConfig(max_lora_rank=64)))
+
+
+def test_a_weights_name_that_is_not_a_file_is_passed_over_as_vllm_does(tmp_path):
+    a = write_adapter(tmp_path / "a", seed=0, weights_name="adapter_model.bin")
+    os.mkdir(os.path.join(a, "adapter_model.safetensors"))
+    identities = AdapterIdentities()
+    assert identities.identity(1, a) == f"lora:{adapter_fingerprint(a)}"
+    weights = os.path.join(a, "adapter_model.bin")
+    before = os.stat(weights)
+    write_adapter(tmp_path / "new", seed=1, weights_name="adapter_model.bin")
+    shutil.copyfile(tmp_path / "new" / "adapter_model.bin", weights)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    # vLLM would load the rewritten .bin: the files changed under id 1.
+    assert identities.identity(1, a) is None

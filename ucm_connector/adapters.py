@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import stat
 
 from .hashing import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHT_NAMES, adapter_fingerprint
 
@@ -56,7 +57,11 @@ def adapter_signature(adapter_path: str) -> Signature:
             weights = os.stat(os.path.join(adapter_path, name))
         except FileNotFoundError:
             continue
-        return (_stat_key(config), name, _stat_key(weights))
+        # vLLM passes over a name that is not a regular file (os.path.isfile)
+        # and reads the next; so must the signature, or it would watch a file
+        # that is never read.
+        if stat.S_ISREG(weights.st_mode):
+            return (_stat_key(config), name, _stat_key(weights))
     raise FileNotFoundError(f"no adapter weights ({', '.join(ADAPTER_WEIGHT_NAMES)}) in "
                             f"{adapter_path!r}")
 
