@@ -16,6 +16,7 @@ Spec::
      "num_gpu_blocks_override": null,    # a small KV cache forces preemption
      "max_model_len": 4096,
      "kv_events_port": null,             # publish KV events over ZMQ on this port
+     "lora": null,                       # {"max_lora_rank": 8, "max_loras": 2}: serve LoRA
      "engines": [{...}, ...],            # several engines alive at once: each a
                                          # dict of the keys above overriding the
                                          # spec's; steps pick one with "engine": i
@@ -27,7 +28,8 @@ Steps (each may carry a "name"; results are keyed by it):
   one ``LLM.generate`` call with all prompts (one batch), greedy,
   ``ignore_eos``.  P is ``{"tokens": [...]}`` or ``{"from": STEP, "index": i,
   "append": [...]}`` (that step's prompt i + its output i + ``append``: the
-  next turn of a chat); either may add ``"cache_salt"``.
+  next turn of a chat); either may add ``"cache_salt"`` and ``"lora": {"name":
+  N, "id": I, "path": DIR}`` (a LoRA adapter; needs the spec's ``"lora"``).
 * ``{"op": "flush"}``: wait until the store's block count has stopped
   changing (saves are written by a background thread of the engine).
 * ``{"op": "corrupt", "root": DIR, "mode": "valid" | "raw"}``: damage every
@@ -201,6 +203,8 @@ def build_llm(spec: dict):
         kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                       "endpoint": f"tcp://*:{int(spec['kv_events_port'])}",
                                       "topic": "kv"}
+    if spec.get("lora"):
+        kwargs.update(enable_lora=True, **spec["lora"])
     if spec.get("store") is not None:
         extra = {"store": spec["store"], **spec.get("extra_config", {})}
         kwargs["kv_transfer_config"] = {
@@ -230,10 +234,18 @@ def prefix_cache_counters(llm) -> dict[str, float]:
     return out
 
 
+def _lora_request(lora: dict | None):
+    if not lora:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=lora["name"], lora_int_id=int(lora["id"]), lora_path=lora["path"])
+
+
 def run_generate(llm, step: dict, results: dict, counters: dict) -> dict:
     from vllm import SamplingParams
 
-    prompts, token_lists = [], []
+    prompts, token_lists, loras = [], [], []
     for p in step["prompts"]:
         tokens = _prompt_tokens(p, results)
         token_lists.append(tokens)
@@ -241,10 +253,12 @@ def run_generate(llm, step: dict, results: dict, counters: dict) -> dict:
         if p.get("cache_salt") is not None:
             prompt["cache_salt"] = p["cache_salt"]
         prompts.append(prompt)
+        loras.append(_lora_request(p.get("lora")))
     params = SamplingParams(temperature=0.0, max_tokens=int(step.get("max_tokens", 16)),
                             ignore_eos=True, detokenize=False)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False,
+                        lora_request=loras if any(loras) else None)
     seconds = time.perf_counter() - t0
     before = dict(counters)
     after = prefix_cache_counters(llm)

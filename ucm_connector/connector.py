@@ -22,10 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from store_backends import StoreError, open_store
 
+from .adapters import AdapterIdentities
 from .config import UCMConfig
 from .events import EventTracker, OutcomeLog, UCMKVEvents, events_enabled
 from .hashing import BlockHasher
-from .layout import namespace_for
+from .layout import lora_engine_settings, namespace_for
 from .manifest import write_manifest
 from .metrics import StatsCollector, UCMStats, build_prom_metrics
 from .scheduler import BlockPlan, UCMScheduler
@@ -129,7 +130,8 @@ class UCMConnector(KVConnectorBase_V1):
                 min_hit_blocks=self.config.min_hit_blocks, stats=self.stats,
                 load_async=self.config.load_mode == "async",
                 events=EventTracker(enabled=with_events and self._save_enabled,
-                                    tp_size=namespace.tp_size, block_size=namespace.block_size))
+                                    tp_size=namespace.tp_size, block_size=namespace.block_size),
+                adapters=AdapterIdentities(lora_engine_settings(vllm_config)))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

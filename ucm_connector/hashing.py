@@ -24,6 +24,11 @@ Keys
                    with digest_{-1} = root
         key_i    = digest_i || tp_rank as u16 LE                   (18 bytes)
 
+    ``lora`` is the adapter's identity, a fingerprint of its files
+    (``adapter_fingerprint``, via ``adapters.AdapterIdentities``), never its
+    name or path: one name can mean two adapters, and one adapter can live
+    under two paths.
+
     ``tp_group_digest`` is the namespace digest without the TP rank, and the
     rank is the key's last two bytes instead. All ranks of one deployment
     thereby share one chain: the scheduler hashes a prompt once and derives
@@ -193,6 +198,76 @@ def _sample_ranges(start: int, end: int) -> list[tuple[int, int]]:
         tail = max(start + _EDGE_NBYTES, end - _EDGE_NBYTES)
         ranges.append((tail, end - tail))
     return ranges
+
+
+# -- LoRA adapter fingerprint ------------------------------------------------
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+"""The weight files of a PEFT adapter directory, in the order vLLM prefers
+them (``LoRAModel.from_local_checkpoint`` reads the first that exists)."""
+
+# adapter_config.json keys that record where the adapter came from or how it
+# was trained, not what it computes: the base model it was trained on (the
+# served base model is the namespace's fingerprint), the PEFT version that
+# saved it, dropout (active in training only) and PEFT's frozen-for-inference
+# flag. Every other key counts, known or not: r, lora_alpha, use_rslora,
+# rank_pattern and alpha_pattern set each module's scaling; target_modules,
+# modules_to_save and layers_to_transform say which modules are adapted;
+# use_dora, bias and the like are refused by vLLM today and would change the
+# output the day they are not. Counting a key that turns out not to matter
+# costs a missed share between two copies that differ in it; ignoring one
+# that matters would hand one adapter's KV to another. So this list only
+# holds keys known to be inert.
+_ADAPTER_CONFIG_KEYS_IGNORED = frozenset({
+    "base_model_name_or_path", "revision", "peft_version", "transformers_version",
+    "lora_dropout", "inference_mode",
+})
+
+
+def adapter_files(adapter_path: str | os.PathLike) -> tuple[str, str]:
+    """The config and the weight file vLLM reads from an adapter directory.
+
+    Raises ``FileNotFoundError`` when either is missing (vLLM would refuse
+    the adapter too, or fetch it from a hub, which is not a local file to
+    fingerprint)."""
+    path = os.fspath(adapter_path)
+    config_path = os.path.join(path, ADAPTER_CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no {ADAPTER_CONFIG_NAME} in adapter directory {path!r}")
+    for name in ADAPTER_WEIGHT_NAMES:
+        weights_path = os.path.join(path, name)
+        if os.path.isfile(weights_path):
+            return config_path, weights_path
+    raise FileNotFoundError(
+        f"no adapter weights ({', '.join(ADAPTER_WEIGHT_NAMES)}) in {path!r}")
+
+
+def adapter_fingerprint(adapter_path: str | os.PathLike) -> str:
+    """A 32-hex-digit fingerprint of a LoRA adapter: the same for a copy in
+    another directory or under another name, different when its weights or
+    any output-changing config differ.
+
+    It covers the config (parsed and re-encoded with sorted keys, without the
+    keys in ``_ADAPTER_CONFIG_KEYS_IGNORED`` and those starting with ``_``)
+    and the one weight file vLLM loads, by its name (its format) and bytes,
+    hashed like a model's weight file: whole up to ``FULL_HASH_MAX_NBYTES``,
+    sampled beyond. The adapter's path and name never enter.
+    """
+    config_path, weights_path = adapter_files(adapter_path)
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path!r} is not a JSON object")
+    config = {k: v for k, v in config.items()
+              if not k.startswith("_") and k not in _ADAPTER_CONFIG_KEYS_IGNORED}
+    hasher = xxhash.xxh3_128()
+    hasher.update(b"ucm-adapter-fingerprint" + _enc_int(KEY_SCHEME_VERSION))
+    hasher.update(b"config" + _enc_str(
+        json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)))
+    hasher.update(_enc_str(os.path.basename(weights_path)))
+    _hash_weight_file(hasher, weights_path)
+    return hasher.hexdigest()
 
 
 # -- namespace ---------------------------------------------------------------

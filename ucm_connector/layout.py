@@ -63,3 +63,37 @@ def namespace_for(vllm_config, tp_rank: int = 0) -> Namespace:
         tp_size=parallel_config.tensor_parallel_size,
         format_version=FORMAT_VERSION,
     )
+
+
+def lora_engine_settings(vllm_config) -> str:
+    """The engine's LoRA settings that change what an adapter computes, as
+    one canonical string ("" without LoRA); ``AdapterIdentities`` puts it in
+    every adapter's identity, next to the fingerprint of the adapter's files.
+
+    In: the dtype the adapter's weights are cast to, the deployment-time
+    restriction of the modules LoRA applies to, fully sharded LoRA layers
+    (another reduction order across TP ranks) and the MoE weight layouts,
+    which decide how an adapter's tensors are read. Out: how many adapters
+    fit (``max_loras``, ``max_cpu_loras``), ``max_lora_rank`` (smaller ranks
+    are zero-padded, which adds exact zeros) and classification-head sizes,
+    which act after the KV.
+    """
+    import json
+
+    lora_config = getattr(vllm_config, "lora_config", None)
+    if lora_config is None:
+        return ""
+    dtype = lora_config.lora_dtype
+    if dtype in (None, "auto"):
+        dtype = vllm_config.model_config.dtype
+    dtype = str(dtype).removeprefix("torch.")
+    target_modules = getattr(lora_config, "target_modules", None)
+    settings = {
+        "dtype": dtype,
+        "target_modules": sorted(target_modules) if target_modules else None,
+        "fully_sharded": bool(getattr(lora_config, "fully_sharded_loras", False)),
+        "moe_mixed_format": bool(getattr(lora_config, "enable_mixed_moe_lora_format", False)),
+        "moe_shared": bool(getattr(lora_config, "enable_moe_shared_loras", False)),
+        "tower": bool(getattr(lora_config, "enable_tower_connector_lora", False)),
+    }
+    return json.dumps(settings, sort_keys=True, separators=(",", ":"))

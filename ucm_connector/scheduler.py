@@ -19,6 +19,7 @@ from typing import Any
 
 from store_backends import KVStore, StoreError
 
+from .adapters import AdapterIdentities
 from .events import EventTracker
 from .hashing import BlockHasher, MultiModalSpan, RequestKeys, keys_for_rank
 from .metrics import StatsCollector
@@ -65,8 +66,16 @@ class _RequestState:
     overwrite_until: int = 0
 
 
-def _request_extras(request) -> dict[str, Any]:
+def _request_extras(request, adapters: AdapterIdentities) -> dict[str, Any] | None:
+    """What besides its tokens enters a request's keys; ``None`` when the
+    request must not share KV (its LoRA adapter cannot be identified)."""
     lora = getattr(request, "lora_request", None)
+    lora_identity = None
+    if lora is not None:
+        # By the adapter's files, not its name: one name can mean two adapters.
+        lora_identity = adapters.identity(lora.lora_int_id, lora.lora_path, lora.lora_name)
+        if lora_identity is None:
+            return None
     spans = []
     for feature in getattr(request, "mm_features", None) or []:
         position = getattr(feature, "mm_position", None)
@@ -74,16 +83,22 @@ def _request_extras(request) -> dict[str, Any]:
         if position is not None and identifier is not None:
             spans.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
     return {
-        "lora": getattr(lora, "lora_name", None) if lora is not None else None,
+        "lora": lora_identity,
         "cache_salt": getattr(request, "cache_salt", None),
         "mm_spans": tuple(spans),
     }
 
 
+def _lora_name(request) -> str | None:
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else lora.lora_name
+
+
 class UCMScheduler:
     def __init__(self, *, store: KVStore, hasher: BlockHasher, block_size: int, tp_size: int,
                  load: bool, save: bool, min_hit_blocks: int, stats: StatsCollector,
-                 load_async: bool = False, events: EventTracker | None = None) -> None:
+                 load_async: bool = False, events: EventTracker | None = None,
+                 adapters: AdapterIdentities | None = None) -> None:
         self.store = store
         self.hasher = hasher
         self.block_size = block_size
@@ -94,6 +109,7 @@ class UCMScheduler:
         self.stats = stats
         self.load_async = load_async
         self.events = events or EventTracker(enabled=False, tp_size=tp_size, block_size=block_size)
+        self.adapters = adapters or AdapterIdentities()
         self._states: dict[str, _RequestState] = {}
         self._logged_store_error = False
         # Block ids loaded (sync or layerwise) in this step and the one before.
@@ -106,7 +122,9 @@ class UCMScheduler:
         if state is None:
             keys = None
             if getattr(request, "prompt_embeds", None) is None:
-                keys = self.hasher.request(**_request_extras(request))
+                extras = _request_extras(request, self.adapters)
+                if extras is not None:
+                    keys = self.hasher.request(**extras)
             state = _RequestState(request=request, keys=keys)
             self._states[request.request_id] = state
         return state
@@ -121,9 +139,10 @@ class UCMScheduler:
         except ValueError:
             # The token list no longer extends what was hashed (a request
             # rewritten on resume): start its chain again.
-            state.keys = self.hasher.request(**_request_extras(state.request))
+            extras = _request_extras(state.request, self.adapters)
+            state.keys = None if extras is None else self.hasher.request(**extras)
             state.num_stored_blocks = 0
-            return state.keys.update(tokens)
+            return [] if state.keys is None else state.keys.update(tokens)
 
     def _store_failed(self, what: str, exc: BaseException) -> None:
         self.stats.add(store_errors=1)
@@ -237,7 +256,7 @@ class UCMScheduler:
                     if self.events.enabled:
                         self.events.planned(keys[first:num_full], request.all_token_ids, first,
                                             keys[first - 1] if first else None,
-                                            _request_extras(request)["lora"])
+                                            _lora_name(request))
                     state.num_stored_blocks = num_full
         return loads, saves
 
