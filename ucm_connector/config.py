@@ -10,6 +10,7 @@ is expected.  Knows nothing of vLLM; the connector hands it the dict.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from typing import Any, Callable, Mapping
 
@@ -19,6 +20,16 @@ from store_backends.base import StoreOpenError
 
 class UCMConfigError(ValueError):
     """A connector option is unknown or has a bad value."""
+
+
+class LoadMode(str, enum.Enum):
+    """How hits are loaded: before the step (``sync``), on a loader thread
+    while the request waits (``async``, ``load_kv_async``), or layer by
+    layer during the forward pass (``layer``, ``load_layerwise``)."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    LAYER = "layer"
 
 
 def default_store_url() -> str:
@@ -156,8 +167,10 @@ class UCMConfig:
         return cls(**values)
 
     @property
-    def load_mode(self) -> str:
-        return "async" if self.load_kv_async else "layer" if self.load_layerwise else "sync"
+    def load_mode(self) -> LoadMode:
+        if self.load_kv_async:
+            return LoadMode.ASYNC
+        return LoadMode.LAYER if self.load_layerwise else LoadMode.SYNC
 
     @property
     def store_urls(self) -> list[str]:

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from store_backends import StoreError, open_store
 
 from .adapters import AdapterIdentities
-from .config import UCMConfig
+from .config import LoadMode, UCMConfig
 from .events import EventTracker, OutcomeLog, UCMKVEvents, events_enabled
 from .hashing import BlockHasher
 from .layout import lora_engine_settings, namespace_for
@@ -128,7 +128,7 @@ class UCMConnector(KVConnectorBase_V1):
                 store=self.store, hasher=BlockHasher(namespace), block_size=namespace.block_size,
                 tp_size=namespace.tp_size, load=self._load_enabled, save=self._save_enabled,
                 min_hit_blocks=self.config.min_hit_blocks, stats=self.stats,
-                load_async=self.config.load_mode == "async",
+                load_async=self.config.load_mode is LoadMode.ASYNC,
                 events=EventTracker(enabled=with_events and self._save_enabled,
                                     tp_size=namespace.tp_size, block_size=namespace.block_size),
                 adapters=AdapterIdentities(lora_engine_settings(vllm_config)))

@@ -1,19 +1,27 @@
 """Worker role: move whole blocks between the paged KV cache and the store.
 
-Loads are one batched ``get_into`` into a reusable buffer, every block's
-envelope and checksum checked, good blocks scattered into their pages, bad
-ones reported through ``load_errors`` so vLLM recomputes them (and deleted
-from the store).  Three modes: ``sync`` loads before the step's forward pass
-(``start_load_kv`` returns when done); ``async`` (``load_kv_async``) hands
-the loads to a loader thread while the engine runs other requests, and
-``get_finished`` reports each request when its blocks are in; ``layer``
-(``load_layerwise``) reads on the loader thread and scatters layer by layer,
-so the forward pass of layer i (``wait_for_layer_load``) waits only for layer
-i's pages.  Saves are gathered when the step's
-forward pass is done (``wait_for_save``): blocks the store already has are
-skipped, the rest are copied out of the cache at once (so their pages can be
-reused immediately) and written by a background thread, so the engine never
-waits on the store's I/O.  A full backlog skips saves rather than waiting.
+``UCMWorker`` composes small parts, one job each:
+
+* ``BlockReader`` reads a batch of blocks with one ``get_into``, checks every
+  envelope and checksum, copies the good blocks into their pages and deletes
+  bad ones from the store (a bad block would otherwise be found, fail and be
+  recomputed on every later hit);
+* one way of loading, by ``LoadMode``: ``SyncLoads`` (before the step's
+  forward pass; ``start_load_kv`` returns when done), ``AsyncLoads``
+  (``load_kv_async``: a loader thread while the engine runs other requests;
+  ``get_finished`` reports each request when its blocks are in) or
+  ``LayerLoads`` (``load_layerwise``: read on the loader thread, copied layer
+  by layer, so layer i's attention waits only for layer i's pages);
+* ``Saves``: gathers a step's new blocks out of the cache when its forward
+  pass is done (``wait_for_save``; the pages can be reused at once) and hands
+  them to one background writer, so the engine never waits on the store's
+  I/O.  Blocks the store has are skipped; a full backlog skips saves rather
+  than wait; KV computed on a page whose load failed is never saved.
+
+Every way of loading answers the same questions (start, wait for a layer,
+this step's failures, what finished, the errors to report), so the worker
+reads the same for each, and a device-specific copy path only changes how
+the reader and the saves move bytes (``BlockTransfer``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy as np
 from store_backends import KVStore, StoreError
 
 from . import blockfmt
+from .config import LoadMode
 from .events import NOT_STORED, PRESENT, REMOVED, WRITTEN, OutcomeLog
 from .hashing import keys_for_rank
 from .metrics import StatsCollector
@@ -48,90 +57,51 @@ def _touched(nbytes: int) -> np.ndarray:
     return buf
 
 
-class _LayerJob:
-    """One step's loads, scattered layer by layer as the forward pass goes."""
+class _Reporter:
+    """Counts a kind of failure every time and logs it once."""
 
-    def __init__(self, plans: list[BlockPlan], layer_done: list[threading.Event]) -> None:
-        self.plans = plans
-        self.layer_done = layer_done
-        self.done = threading.Event()
-        self.bad_block_ids: set[int] = set()
-
-
-class UCMWorker:
-    def __init__(self, *, store: KVStore, namespace_digest: bytes, tp_rank: int, num_blocks: int,
-                 max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0,
-                 load_mode: str = "sync", events: OutcomeLog | None = None,
-                 share_failures: Callable[[set[int]], set[int]] | None = None) -> None:
-        self.store = store
-        self.namespace_digest = namespace_digest
-        self.tp_rank = tp_rank
-        self.num_blocks = num_blocks
-        self.max_pending_nbytes = max_pending_nbytes
+    def __init__(self, stats: StatsCollector) -> None:
         self.stats = stats
-        self.transfer: BlockTransfer | None = None
-        self.load_errors: set[int] = set()
-        self.blocks_per_request = blocks_per_request
-        self._load_buf = np.empty(0, dtype=np.uint8)
-        # Save buffers come back from the writer and are reused, so that a
-        # save does not pay for fresh pages (page faults) on the engine's path.
-        self._free_rows: list[np.ndarray] = []
-        self._cond = threading.Condition()
-        # (keys, rows, keys whose stored value is replaced rather than kept)
-        self._queue: collections.deque[tuple[list[bytes], np.ndarray, list[bytes]]] = collections.deque()
-        self._pending_nbytes = 0
-        self._writing = 0
-        self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="ucm-save-writer", daemon=True)
-        self._writer.start()
         self._logged: set[str] = set()
-        # With TP > 1 every rank's forward pass reads every rank's pages
-        # (through the all-reduce), so a save is dropped when a load failed
-        # on any rank: this returns the union over the TP group.
-        self._share_failures = share_failures
-        # Blocks whose load failed, this step and the one before.
-        self._recent_failures: collections.deque[set[int]] = collections.deque([set(), set()], maxlen=2)
-        self.load_mode = load_mode
-        self.events = events or OutcomeLog(enabled=False)
-        self._layer_index: dict[str, int] = {}
-        self._layer_job: _LayerJob | None = None
-        self._load_cond = threading.Condition()
-        self._load_jobs: collections.deque = collections.deque()
-        self._finished_recving: set[str] = set()
-        self._recv_errors: set[int] = set()
-        self._loader = None
-        if load_mode != "sync":
-            self._loader = threading.Thread(target=self._load_loop, name="ucm-loader", daemon=True)
-            self._loader.start()
+        self._lock = threading.Lock()
 
-    def register_kv_caches(self, kv_caches) -> None:
-        self.transfer = BlockTransfer(kv_caches, self.num_blocks)
-        self.payload_nbytes = self.transfer.payload_nbytes
-        self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
-        self._layer_index = {layer.name: i for i, layer in enumerate(self.transfer.layers)}
-        # A whole-prompt load fits without growing the buffer, and its pages
-        # are touched now rather than during the first hit (capped: a load of
-        # more blocks grows it then).
-        initial = min(self.blocks_per_request, (512 << 20) // self.block_nbytes)
-        if initial > 0:
-            self._load_buf = _touched(initial * self.block_nbytes)
-        logger.info("ucm-connector: %d layers registered, %d bytes of KV per block and rank",
-                    self.transfer.num_layers, self.payload_nbytes)
-
-    def _failed(self, what: str, exc: BaseException) -> None:
+    def failed(self, what: str, exc: BaseException) -> None:
         self.stats.add(store_errors=1)
-        if what not in self._logged:
-            self._logged.add(what)
+        if self.first(what):
             logger.warning("ucm-connector: %s failed: %s; the engine carries on without those blocks "
                            "(further errors of this kind are counted, not logged)", what, exc)
 
-    # -- loads -------------------------------------------------------------
+    def first(self, what: str) -> bool:
+        with self._lock:
+            if what in self._logged:
+                return False
+            self._logged.add(what)
+            return True
+
+
+# -- loads ----------------------------------------------------------------------
+
+
+class BlockReader:
+    """Reads, checks and copies one batch of blocks into their pages."""
+
+    def __init__(self, *, store: KVStore, transfer: BlockTransfer, namespace_digest: bytes, tp_rank: int,
+                 stats: StatsCollector, events: OutcomeLog, report: _Reporter) -> None:
+        self.store = store
+        self.transfer = transfer
+        self.namespace_digest = namespace_digest
+        self.tp_rank = tp_rank
+        self.stats = stats
+        self.events = events
+        self.report = report
+        self.payload_nbytes = transfer.payload_nbytes
+        self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
 
     def _read(self, keys: list[bytes], rows: np.ndarray) -> list[bool]:
         try:
             return self.store.get_into(keys, [memoryview(row) for row in rows])
         except StoreError as exc:
-            self._failed("store load", exc)
+            self.report.failed("store load", exc)
             return [False] * len(keys)
 
     def _check(self, keys: list[bytes], rows: np.ndarray, found: list[bool]) -> tuple[list[int], list[bytes]]:
@@ -145,12 +115,12 @@ class UCMWorker:
                     blockfmt.verify(rows[i], self.namespace_digest, self.payload_nbytes, key=keys[i])
                     good.append(i)
                 except blockfmt.BlockFormatError as exc:
-                    self._failed(f"block check ({exc.reason})", exc)
+                    self.report.failed(f"block check ({exc.reason})", exc)
                     bad_keys.append(keys[i])
         return good, bad_keys
 
-    def _fetch(self, plans: list[BlockPlan], buf: np.ndarray, scatter: bool = True
-               ) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
+    def fetch(self, plans: list[BlockPlan], buf: np.ndarray, scatter: bool = True
+              ) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
         """Read the plans' blocks into ``buf`` (grown if needed), check them
         and (``scatter``) copy the good ones into their pages.  Returns the
         block ids, the rows, the indices of good rows and the (possibly new)
@@ -167,21 +137,19 @@ class UCMWorker:
         # slower on shm on two cores (benchmarks/RESULTS.md).
         good, bad_keys = self._check(keys, rows, self._read(keys, rows))
         if scatter:
-            self._scatter(block_ids, rows, good)
+            self.scatter(block_ids, rows, good)
         if bad_keys:
-            # A bad block would otherwise be found, fail and be recomputed
-            # on every later hit, and never be saved again.
             try:
                 self.store.delete(bad_keys)
                 self.events.add(REMOVED, bad_keys)
             except StoreError as exc:
-                self._failed("store delete of bad blocks", exc)
+                self.report.failed("store delete of bad blocks", exc)
         self.stats.add(loaded_blocks=len(good), loaded_bytes=len(good) * self.payload_nbytes,
                        load_errors=n - len(good))
         return block_ids, rows, good, buf
 
-    def _scatter(self, block_ids: list[int], rows: np.ndarray, good: list[int],
-                 layers: range | None = None) -> None:
+    def scatter(self, block_ids: list[int], rows: np.ndarray, good: list[int],
+                layers: range | None = None) -> None:
         """Copy the rows ``good`` into the pages of their blocks."""
         payload = rows[:, blockfmt.HEADER_NBYTES:]
         if len(good) == len(block_ids):
@@ -190,117 +158,248 @@ class UCMWorker:
             self.transfer.scatter([block_ids[i] for i in good], payload[good], layers)
 
     @staticmethod
-    def _bad_ids(block_ids: list[int], good: list[int]) -> set[int]:
+    def bad_ids(block_ids: list[int], good: list[int]) -> set[int]:
         ok = set(good)
         return {b for i, b in enumerate(block_ids) if i not in ok}
 
-    def load(self, plans: list[BlockPlan]) -> None:
-        """Start this step's loads (``start_load_kv``): done before return
-        (sync), handed to the loader thread and reported by ``get_finished``
-        (async), or layer by layer while the forward pass runs (layer)."""
-        if not plans or self.transfer is None:
-            return
-        if self.load_mode == "async":
-            with self._load_cond:
-                self._load_jobs.extend(plans)
-                self._load_cond.notify_all()
-            return
-        if self.load_mode == "layer":
-            job = _LayerJob(plans, [threading.Event() for _ in range(self.transfer.num_layers)])
-            self._layer_job = job
-            with self._load_cond:
-                self._load_jobs.append(job)
-                self._load_cond.notify_all()
-            return
+
+class SyncLoads:
+    """Loads done before the forward pass, in the engine's thread."""
+
+    mode = LoadMode.SYNC
+
+    def __init__(self, reader: BlockReader, initial_nbytes: int = 0) -> None:
+        self.reader = reader
+        self._buf = _touched(initial_nbytes) if initial_nbytes > 0 else np.empty(0, dtype=np.uint8)
+        self._errors: set[int] = set()
+
+    def start(self, plans: list[BlockPlan]) -> None:
         t0 = time.perf_counter()
-        block_ids, rows, good, self._load_buf = self._fetch(plans, self._load_buf)
-        self.load_errors |= self._bad_ids(block_ids, good)
-        self.stats.add(load_seconds=time.perf_counter() - t0)
+        block_ids, _, good, self._buf = self.reader.fetch(plans, self._buf)
+        self._errors |= BlockReader.bad_ids(block_ids, good)
+        self.reader.stats.add(load_seconds=time.perf_counter() - t0)
 
-    def wait_for_layer(self, layer_name: str) -> None:
-        job = self._layer_job
-        if job is not None:
-            job.layer_done[self._layer_index.get(layer_name, 0)].wait()
+    def wait_for_layer(self, layer: int) -> None:
+        pass
 
-    def _finish_layer_job(self) -> None:
-        job, self._layer_job = self._layer_job, None
-        if job is not None:
-            job.done.wait()
-            self.load_errors |= job.bad_block_ids
+    def step_failures(self) -> set[int]:
+        """Blocks whose load failed in this step, known before its saves."""
+        return set(self._errors)
 
-    def _load_loop(self) -> None:
-        buf = np.empty(0, dtype=np.uint8)
+    def finished(self) -> set[str] | None:
+        return None
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        pass
+
+
+class _LoaderThread:
+    """A thread that runs jobs in order until closed; a job that raises is
+    reported by ``on_error`` and the thread carries on."""
+
+    def __init__(self, run: Callable[[object], None]) -> None:
+        self._run = run
+        self._cond = threading.Condition()
+        self._jobs: collections.deque = collections.deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="ucm-loader", daemon=True)
+        self._thread.start()
+
+    def put(self, *jobs: object) -> None:
+        with self._cond:
+            self._jobs.extend(jobs)
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
         while True:
-            with self._load_cond:
-                while not self._load_jobs and not self._closed:
-                    self._load_cond.wait()
-                if not self._load_jobs:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if not self._jobs:
                     return
-                job = self._load_jobs.popleft()
-            t0 = time.perf_counter()
-            if isinstance(job, _LayerJob):
-                buf = self._run_layer_job(job, buf)
-            else:
-                bad: set[int] = set(job.block_ids)
-                try:
-                    block_ids, rows, good, buf = self._fetch([job], buf)
-                    bad = self._bad_ids(block_ids, good)
-                except Exception as exc:  # the loader must outlive any one bad job
-                    self._failed("block load", exc)
-                with self._load_cond:
-                    self._finished_recving.add(job.req_id)
-                    self._recv_errors |= bad
-            self.stats.add(load_seconds=time.perf_counter() - t0)
+                job = self._jobs.popleft()
+            self._run(job)
 
-    def _run_layer_job(self, job: "_LayerJob", buf: np.ndarray) -> np.ndarray:
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+
+class AsyncLoads:
+    """Loads on a loader thread; the request waits (vLLM keeps it out of the
+    batch) until ``finished`` reports it, its bad blocks with it.  Nothing
+    reads a page of an asynchronous load in the step that starts it."""
+
+    mode = LoadMode.ASYNC
+
+    def __init__(self, reader: BlockReader) -> None:
+        self.reader = reader
+        self._buf = np.empty(0, dtype=np.uint8)
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._recv_errors: set[int] = set()
+        self._errors: set[int] = set()
+        self._thread = _LoaderThread(self._run)
+
+    def start(self, plans: list[BlockPlan]) -> None:
+        self._thread.put(*plans)
+
+    def _run(self, plan: BlockPlan) -> None:
+        t0 = time.perf_counter()
+        bad: set[int] = set(plan.block_ids)
         try:
-            block_ids, rows, good, buf = self._fetch(job.plans, buf, scatter=False)
-            job.bad_block_ids = self._bad_ids(block_ids, good)
-            for i in range(self.transfer.num_layers):
-                self._scatter(block_ids, rows, good, range(i, i + 1))
+            block_ids, _, good, self._buf = self.reader.fetch([plan], self._buf)
+            bad = BlockReader.bad_ids(block_ids, good)
+        except Exception as exc:  # the loader must outlive any one bad job
+            self.reader.report.failed("block load", exc)
+        with self._lock:
+            self._finished.add(plan.req_id)
+            self._recv_errors |= bad
+        self.reader.stats.add(load_seconds=time.perf_counter() - t0)
+
+    def wait_for_layer(self, layer: int) -> None:
+        pass
+
+    def step_failures(self) -> set[int]:
+        return set()
+
+    def finished(self) -> set[str] | None:
+        with self._lock:
+            finished, self._finished = self._finished, set()
+            self._errors |= self._recv_errors
+            self._recv_errors = set()
+        return finished or None
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+class _LayerJob:
+    """One step's loads, copied layer by layer as the forward pass goes."""
+
+    def __init__(self, plans: list[BlockPlan], num_layers: int) -> None:
+        self.plans = plans
+        self.layer_done = [threading.Event() for _ in range(num_layers)]
+        self.done = threading.Event()
+        self.bad_block_ids: set[int] = set()
+
+
+class LayerLoads:
+    """Reads a step's blocks on the loader thread and copies them layer by
+    layer; the forward pass of layer i waits only for layer i's pages."""
+
+    mode = LoadMode.LAYER
+
+    def __init__(self, reader: BlockReader) -> None:
+        self.reader = reader
+        self._buf = np.empty(0, dtype=np.uint8)
+        self._job: _LayerJob | None = None
+        self._thread = _LoaderThread(self._run)
+
+    def start(self, plans: list[BlockPlan]) -> None:
+        self._job = _LayerJob(plans, self.reader.transfer.num_layers)
+        self._thread.put(self._job)
+
+    def _run(self, job: _LayerJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            block_ids, rows, good, self._buf = self.reader.fetch(job.plans, self._buf, scatter=False)
+            job.bad_block_ids = BlockReader.bad_ids(block_ids, good)
+            for i in range(self.reader.transfer.num_layers):
+                self.reader.scatter(block_ids, rows, good, range(i, i + 1))
                 job.layer_done[i].set()
-        except Exception as exc:
-            self._failed("block load", exc)
+        except Exception as exc:  # every block of the job counts as failed
+            self.reader.report.failed("block load", exc)
             job.bad_block_ids = {b for plan in job.plans for b in plan.block_ids}
         finally:
             for event in job.layer_done:
                 event.set()
             job.done.set()
-        return buf
+        self.reader.stats.add(load_seconds=time.perf_counter() - t0)
 
-    def get_finished(self) -> set[str] | None:
-        """Requests whose asynchronous loads are done; their bad blocks go
-        out with this step's load errors."""
-        if self.load_mode != "async":
-            return None
-        with self._load_cond:
-            finished, self._finished_recving = self._finished_recving, set()
-            self.load_errors |= self._recv_errors
-            self._recv_errors = set()
-        return finished or None
-
-    def take_load_errors(self) -> set[int]:
-        self._finish_layer_job()
-        errors, self.load_errors = self.load_errors, set()
-        return errors
-
-    # -- saves -------------------------------------------------------------
-
-    def _step_load_failures(self) -> set[int]:
-        """Blocks whose sync or layerwise load failed in this step (known
-        before the save: the layer job is waited for)."""
-        job = self._layer_job
+    def wait_for_layer(self, layer: int) -> None:
+        job = self._job
         if job is not None:
-            job.done.wait()
-            return self.load_errors | job.bad_block_ids
-        return set(self.load_errors)
+            job.layer_done[layer].wait()
 
-    def _drop_tainted(self, plans: list[BlockPlan]) -> list[BlockPlan]:
+    def step_failures(self) -> set[int]:
+        job = self._job
+        if job is None:
+            return set()
+        job.done.wait()
+        return set(job.bad_block_ids)
+
+    def finished(self) -> set[str] | None:
+        return None
+
+    def take_errors(self) -> set[int]:
+        job, self._job = self._job, None
+        if job is None:
+            return set()
+        job.done.wait()
+        return set(job.bad_block_ids)
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+_LOADS = {LoadMode.SYNC: SyncLoads, LoadMode.ASYNC: AsyncLoads, LoadMode.LAYER: LayerLoads}
+
+
+# -- saves ----------------------------------------------------------------------
+
+
+class Saves:
+    """A step's new blocks: checked against the store, gathered out of the
+    cache, and written by one background writer."""
+
+    def __init__(self, *, store: KVStore, transfer: BlockTransfer, namespace_digest: bytes, tp_rank: int,
+                 max_pending_nbytes: int, stats: StatsCollector, events: OutcomeLog, report: _Reporter,
+                 share_failures: Callable[[set[int]], set[int]] | None = None) -> None:
+        self.store = store
+        self.transfer = transfer
+        self.namespace_digest = namespace_digest
+        self.tp_rank = tp_rank
+        self.max_pending_nbytes = max_pending_nbytes
+        self.stats = stats
+        self.events = events
+        self.report = report
+        self.payload_nbytes = transfer.payload_nbytes
+        self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
+        # With TP > 1 every rank's forward pass reads every rank's pages
+        # (through the all-reduce), so a save is dropped when a load failed
+        # on any rank: this returns the union over the TP group.
+        self._share_failures = share_failures
+        # Blocks whose load failed, this step and the one before.
+        self._recent_failures: collections.deque[set[int]] = collections.deque([set(), set()], maxlen=2)
+        # Save buffers come back from the writer and are reused, so that a
+        # save does not pay for fresh pages (page faults) on the engine's path.
+        self._free_rows: list[np.ndarray] = []
+        self._cond = threading.Condition()
+        # (keys, rows, keys whose stored value is replaced rather than kept)
+        self._queue: collections.deque[tuple[list[bytes], np.ndarray, list[bytes]]] = collections.deque()
+        self._pending_nbytes = 0
+        self._writing = 0
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="ucm-save-writer", daemon=True)
+        self._writer.start()
+
+    def drop_tainted(self, plans: list[BlockPlan], failures: set[int]) -> list[BlockPlan]:
         """Never save KV computed on a page whose load failed: vLLM rewinds
         the request and recomputes it, but this step's forward pass already
-        wrote KV that read the bad page.  Failures of the step before count
-        too, for a step scheduled before vLLM saw them."""
-        failures = self._step_load_failures()
+        wrote KV that read the bad page.  ``failures`` are this step's;
+        those of the step before count too, for a step scheduled before vLLM
+        saw them."""
         if self._share_failures is not None and any(plan.loaded_inputs for plan in plans):
             # Every rank gets the same plans, so all of them take part.
             failures = self._share_failures(failures)
@@ -316,8 +415,7 @@ class UCMWorker:
             keys = keys_for_rank(plan.keys, self.tp_rank)
             self.stats.add(skipped_saves=len(keys))
             self.events.add(NOT_STORED, keys)
-            if "tainted" not in self._logged:
-                self._logged.add("tainted")
+            if self.report.first("tainted"):
                 logger.warning(
                     "ucm-connector: not saving %d blocks of request %s: computed on blocks whose load failed "
                     "in this step; vLLM recomputes them and they are saved then (logged once)",
@@ -325,25 +423,19 @@ class UCMWorker:
         return kept
 
     def save(self, plans: list[BlockPlan]) -> None:
-        """This step's saves (``wait_for_save``).  Called every step, with
-        or without plans, so that load failures are seen step by step."""
-        plans = self._drop_tainted(plans)
         if not plans:
             return
         t0 = time.perf_counter()
         block_ids = [b for plan in plans for b in plan.block_ids]
         keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
         overwrite = [plan.overwrite for plan in plans for _ in plan.block_ids]
-        if self.transfer is None:
-            self.events.add(NOT_STORED, keys)
-            return
         try:
             # Re-saves after a load failure replace what the store holds.
             asked = [k for k, o in zip(keys, overwrite) if not o]
             answers = iter(self.store.contains(asked) if asked else [])
             present = [False if o else next(answers) for o in overwrite]
         except StoreError as exc:
-            self._failed("store lookup before save", exc)
+            self.report.failed("store lookup before save", exc)
             self.stats.add(skipped_saves=len(keys))
             self.events.add(NOT_STORED, keys)
             return
@@ -402,15 +494,11 @@ class UCMWorker:
                     # that must not survive is deleted first (in every tier).
                     self.store.delete(replace)
                 stored = self.store.put(keys, [memoryview(row) for row in rows])
-            except StoreError as exc:
-                self._failed("store save", exc)
-                stored = [False] * len(keys)
             except Exception as exc:  # the writer must outlive any one bad batch
-                self._failed("store save", exc)
+                self.report.failed("store save", exc)
                 stored = [False] * len(keys)
             n = sum(stored)
-            if n < len(keys) and "store refused" not in self._logged:
-                self._logged.add("store refused")
+            if n < len(keys) and self.report.first("store refused"):
                 logger.warning("ucm-connector: store %s refused %d of %d blocks (full?); refused saves "
                                "are skipped and counted in vllm:ucm_skipped_saves (logged once)",
                                self.store.url, len(keys) - n, len(keys))
@@ -434,8 +522,92 @@ class UCMWorker:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        with self._load_cond:
-            self._load_cond.notify_all()
         self._writer.join(timeout=60)
-        if self._loader is not None:
-            self._loader.join(timeout=60)
+
+
+# -- the worker -------------------------------------------------------------------
+
+
+class UCMWorker:
+    """The worker role's hooks, over one way of loading and the saves."""
+
+    def __init__(self, *, store: KVStore, namespace_digest: bytes, tp_rank: int, num_blocks: int,
+                 max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0,
+                 load_mode: LoadMode | str = LoadMode.SYNC, events: OutcomeLog | None = None,
+                 share_failures: Callable[[set[int]], set[int]] | None = None) -> None:
+        self.store = store
+        self.namespace_digest = namespace_digest
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        self.max_pending_nbytes = max_pending_nbytes
+        self.stats = stats
+        self.blocks_per_request = blocks_per_request
+        self.load_mode = LoadMode(load_mode)
+        self.events = events or OutcomeLog(enabled=False)
+        self._share_failures = share_failures
+        self._report = _Reporter(stats)
+        self.transfer: BlockTransfer | None = None
+        self.loads: SyncLoads | AsyncLoads | LayerLoads | None = None
+        self.saves: Saves | None = None
+        self._layer_index: dict[str, int] = {}
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self.transfer = BlockTransfer(kv_caches, self.num_blocks)
+        self.payload_nbytes = self.transfer.payload_nbytes
+        self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
+        self._layer_index = {layer.name: i for i, layer in enumerate(self.transfer.layers)}
+        parts = dict(store=self.store, transfer=self.transfer, namespace_digest=self.namespace_digest,
+                     tp_rank=self.tp_rank, stats=self.stats, events=self.events, report=self._report)
+        reader = BlockReader(**parts)
+        if self.load_mode is LoadMode.SYNC:
+            # A whole-prompt load fits without growing the buffer, and its
+            # pages are touched now rather than during the first hit (capped:
+            # a load of more blocks grows it then).
+            initial = min(self.blocks_per_request, (512 << 20) // self.block_nbytes)
+            self.loads = SyncLoads(reader, initial * self.block_nbytes)
+        else:
+            self.loads = _LOADS[self.load_mode](reader)
+        self.saves = Saves(**parts, max_pending_nbytes=self.max_pending_nbytes,
+                           share_failures=self._share_failures)
+        logger.info("ucm-connector: %d layers registered, %d bytes of KV per block and rank",
+                    self.transfer.num_layers, self.payload_nbytes)
+
+    # -- the hooks, in the order vLLM calls them in a step ------------------------
+
+    def load(self, plans: list[BlockPlan]) -> None:
+        """``start_load_kv``: start (sync: do) this step's loads."""
+        if plans and self.loads is not None:
+            self.loads.start(plans)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        if self.loads is not None:
+            self.loads.wait_for_layer(self._layer_index.get(layer_name, 0))
+
+    def save(self, plans: list[BlockPlan]) -> None:
+        """``wait_for_save``: this step's saves.  Called every step, with or
+        without plans, so that load failures are seen step by step."""
+        if self.saves is None:
+            if plans:
+                self.events.add(NOT_STORED, keys_for_rank([k for p in plans for k in p.keys], self.tp_rank))
+            return
+        self.saves.save(self.saves.drop_tainted(plans, self.loads.step_failures()))
+
+    def get_finished(self) -> set[str] | None:
+        """Requests whose asynchronous loads are done; their bad blocks go
+        out with this step's load errors."""
+        return self.loads.finished() if self.loads is not None else None
+
+    def take_load_errors(self) -> set[int]:
+        return self.loads.take_errors() if self.loads is not None else set()
+
+    # -- the rest ------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save is written."""
+        return self.saves.flush(timeout) if self.saves is not None else True
+
+    def close(self) -> None:
+        if self.saves is not None:
+            self.saves.close()
+        if self.loads is not None:
+            self.loads.close()
