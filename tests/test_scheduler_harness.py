@@ -288,3 +288,19 @@ def test_a_fail_policy_given_on_the_command_line_is_kept(monkeypatch):
     monkeypatch.setattr("sys.argv", ["vllm", "serve", "--kv-transfer-config", '{"kv_connector":"UCMConnector"}'])
     settle_load_failure_policy(config)
     assert config.kv_load_failure_policy == "recompute"
+
+
+def test_a_worker_that_cannot_tell_its_tp_rank_refuses_to_start_with_tp_above_one(disk_url, harnesses):
+    """Falling back to rank 0 would make every rank load rank 0's shards."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from ucm_connector.connector import UCMConnector
+
+    h = harnesses(store=disk_url)
+    config = copy.copy(h.vllm_config)
+    config.parallel_config = copy.copy(config.parallel_config)
+    config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(RuntimeError, match="tensor-parallel rank is unknown.*tensor_parallel_size 2"):
+        UCMConnector(config, KVConnectorRole.WORKER, h.kv_cache_config)

@@ -137,9 +137,18 @@ class UCMConnector(KVConnectorBase_V1):
 
             from .worker import UCMWorker
 
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
             try:
                 tp_rank = get_tensor_model_parallel_rank()
-            except Exception:
+            except Exception as exc:
+                # Outside vLLM's distributed set-up only TP size 1 is sound:
+                # with more ranks, rank 0's shards would load under a passing
+                # namespace check.
+                if tp_size > 1:
+                    raise RuntimeError(
+                        f"ucm-connector cannot start: this worker's tensor-parallel rank is unknown ({exc}); "
+                        f"with tensor_parallel_size {tp_size} every worker must run inside vLLM's "
+                        "distributed set-up") from None
                 tp_rank = 0
             namespace = namespace_for(vllm_config, tp_rank=tp_rank)
             if self._save_enabled:
