@@ -25,6 +25,17 @@ def _fingerprint(model: str) -> str:
     return "name:" + xxhash.xxh3_128_hexdigest(model.encode())
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    import logging
+
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger("vllm.ucm_connector.layout").warning(message)
+
+
 def kv_layout(vllm_config) -> str:
     """Backend and packing of a KV page: pages are only meaningful to the
     same layout (the CPU backend packs K and V per ISA)."""
@@ -33,10 +44,19 @@ def kv_layout(vllm_config) -> str:
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     if current_platform.is_cpu():
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        from patches import PatchError
+        from patches.probes import cpu_attention_isa
 
-        isa = _get_attn_isa(model_config.dtype, cache_config.block_size, model_config.get_head_size(),
-                            cache_config.cache_dtype)
+        try:
+            isa = cpu_attention_isa(model_config.dtype, cache_config.block_size, model_config.get_head_size(),
+                                    cache_config.cache_dtype)
+        except PatchError as exc:
+            # Without the packing, only engines of this very vLLM may share.
+            from patches import vllm_version
+
+            isa = f"unknown-vllm-{vllm_version()}"
+            _warn_once(f"ucm-connector: the CPU KV packing is unknown ({exc}); blocks are shared only "
+                       "with engines of this vLLM version")
         return f"cpu/CPU_ATTN/{isa}/{cache_config.cache_dtype}"
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None) or "auto"
     try:

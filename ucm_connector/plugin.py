@@ -16,13 +16,11 @@ def register() -> None:
     import patches
 
     patches.apply_connector_patches()
-    registry = getattr(KVConnectorFactory, "_registry", {})
-    if CONNECTOR_NAME in registry:
-        return
     try:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "ucm_connector.connector", "UCMConnector")
     except ValueError:
-        # Another thread of this process registered it first.
+        # Registered already (vLLM loads general plugins more than once per
+        # process): vLLM's public call refuses a second registration.
         pass
 
 
