@@ -313,6 +313,17 @@ def test_clear_asks_and_an_answer_of_no_deletes_nothing(filled):
     assert no_stdin.returncode == 1 and listed(url) == before
 
 
+def test_clear_without_a_stdin_is_a_no_that_deletes_nothing(filled):
+    """`ucm store clear URL <&-` under cron or systemd: no stdin at all."""
+    url = filled[0]
+    before = listed(url)
+    result = subprocess.run(f"{sys.executable} -m ucm_connector.cli store clear '{url}' <&-", shell=True,
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "no answer" in result.stderr and "nothing was deleted" in result.stderr
+    assert listed(url) == before
+
 
 def test_clear_with_yes_deletes_every_key(filled):
     url = filled[0]

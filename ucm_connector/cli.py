@@ -555,7 +555,15 @@ def _confirm(question: str, assume_yes: bool) -> bool:
         return True
     sys.stderr.write(f"{question} [y/N] ")
     sys.stderr.flush()
-    answer = sys.stdin.readline()
+    # Under cron or systemd (`<&-`) there is no stdin at all: sys.stdin is
+    # None. That, an empty one and an unreadable one are all a "no".
+    try:
+        answer = sys.stdin.readline() if sys.stdin is not None else ""
+    except (OSError, ValueError):
+        answer = ""
+    if not answer:
+        sys.stderr.write("\nno answer: stdin is closed or empty (as under cron or systemd)\n")
+        return False
     if not answer.endswith("\n"):
         sys.stderr.write("\n")
     return answer.strip().lower() in ("y", "yes")
