@@ -28,7 +28,7 @@ NS = Namespace(model_fingerprint="f" * 32, dtype="bfloat16", kv_layout="cpu/CPU_
                block_size=16, num_layers=2, num_kv_heads=2, head_size=8, tp_rank=1, tp_size=2,
                extra=(("lora", "abc"),))
 GOOD = encode_manifest(NS, model_name="models/tiny", created=1735689600.5)
-FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def record() -> dict:
