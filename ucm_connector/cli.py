@@ -387,6 +387,8 @@ def _print_stats(opened: Opened, found: Survey, rows: list[dict], stats, capacit
     if "nbytes_means" in stats.extra:
         line += f" ({stats.extra['nbytes_means']})"
     print(line)
+    if stats.extra.get("read_only"):
+        print(f"  read-only: {stats.extra['read_only']}")
     if rows:
         print()
         print(f"{'NAMESPACE':<16}  {'BLOCKS':>8}  {'BYTES':>10}  {'OLDEST USE':<19}  {'NEWEST USE':<19}  "
