@@ -246,9 +246,10 @@ class DiskStore(KVStore):
                 raise
             mount = _mount_point(self.root)
             self._read_only = (
-                f"no space left on device: the file system mounted at {mount} is full, so the store's index "
-                f"cannot be written; its blocks are read, new blocks are not stored until space is freed "
-                f"(free space there, `ucm store clear` this store, or give it a capacity below the free space)")
+                f"no space left on device: the file system mounted at {mount} "
+                f"is full, so the store's index cannot be written; its blocks are read, new blocks are not "
+                f"stored until space is freed (free space there, `ucm store clear` this store, or give it a "
+                f"capacity below the free space)")
             self._last_index_try = time.monotonic()
             logger.warning("store '%s' opened read-only: %s (%s)", self.url, self._read_only, exc)
 
