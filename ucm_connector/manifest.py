@@ -137,7 +137,9 @@ def encode_manifest(namespace: Namespace, model_name: str | None = None,
 _RECORD_FIELDS = frozenset({"kind", "manifest_version", "digest", "namespace", "model_name", "created",
                             "writer"})
 _WRITER_FIELDS = frozenset({"ucm_connector", "host"})
-_NAMESPACE_TYPES = {f.name: f.type for f in dataclasses.fields(Namespace)}
+# "int", "str", ...: annotations are strings under `from __future__ import annotations`.
+_NAMESPACE_TYPES = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+                    for f in dataclasses.fields(Namespace)}
 _INT64 = range(-(1 << 63), 1 << 63)
 
 
