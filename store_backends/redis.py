@@ -1132,7 +1132,7 @@ class RedisClusterStore(_RedisStoreBase):
             reloading = self._reloading
             if reloading is not None:
                 reloading.wait(self._timeout_s)
-            for pool in self._pools.values():
+            for pool in list(self._pools.values()):  # a reload still running may add one
                 pool.disconnect()
             self._cluster.close()
 
