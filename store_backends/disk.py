@@ -61,6 +61,16 @@ rules that keep it true under crashes and concurrent processes:
   rebuilt at open by scanning the block files.  Usage above the capacity
   (adopted files, or a capacity smaller than the last process's) is evicted
   at open.
+
+A full file system.  SQLite cannot open a WAL index without room for its
+shared-memory file, so a store whose file system is 100% full (ENOSPC or
+EDQUOT on a small write) opens read-only instead of failing: the files are
+the truth then.  Reads work as always; ``contains`` looks for the file; puts
+return ``False``; ``delete`` removes files only (their rows are dropped at
+the next open, as for any row without a file); ``iter_keys`` scans the
+files.  ``stats().extra["read_only"]`` says why.  Puts try the index again
+at most every ``_FULL_RETRY_SECONDS``, so storing resumes once space is
+freed, without a restart.
 """
 
 from __future__ import annotations
@@ -70,6 +80,7 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import logging
 import os
 import sqlite3
 import struct
@@ -97,6 +108,13 @@ _TRIM_EVERY = 4096
 _EVICT_CHUNK = 64
 _BUSY_TIMEOUT_MS = 10000
 _OPTIONS = {"capacity", "fsync", "touch_interval"}
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# A write this large must fit for the index to open: SQLite's shared-memory
+# file alone takes 32 KiB.
+_SPACE_PROBE_NBYTES = 64 * 1024
+_FULL_RETRY_SECONDS = 5.0
+
+logger = logging.getLogger(__name__)
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS blocks (
@@ -136,6 +154,19 @@ def block_name(key: bytes) -> str:
     return hashlib.blake2b(key, digest_size=16).hexdigest()
 
 
+def _mount_point(path: str) -> str:
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+class _IndexUnavailable(sqlite3.OperationalError):
+    """The store is read-only for want of space.  A sqlite3 error, so that
+    every path that already copes with a failing index (a put withdraws its
+    files, touches wait, stats show no usage) copes with this too."""
+
+
 class DiskStore(KVStore):
     """Blocks as files under one directory; see the module docstring."""
 
@@ -160,6 +191,8 @@ class DiskStore(KVStore):
         self._last_stamp = 0
         self._journal_writes = 0
         self._counts = dict(puts=0, gets=0, hits=0, misses=0, put_failures=0, corrupt=0, evictions=0)
+        self._read_only: str | None = None   # why, while the file system is full
+        self._last_index_try = 0.0
         self._open()
 
     # ------------------------------------------------------------------ opening
@@ -206,6 +239,56 @@ class DiskStore(KVStore):
             raise self._open_error(f"cannot create the directory {self.root!r}", exc) from exc
         if not os.path.isdir(self.root):
             raise self._open_error(f"{self.root!r} is not a directory")
+        try:
+            self._open_index()
+        except StoreOpenError as exc:
+            if not self._no_space_left():
+                raise
+            mount = _mount_point(self.root)
+            self._read_only = (
+                f"no space left on device: the file system mounted at {mount} "
+                f"is full, so the store's index cannot be written; its blocks are read, new blocks are not "
+                f"stored until space is freed (free space there, `ucm store clear` this store, or give it a "
+                f"capacity below the free space)")
+            self._last_index_try = time.monotonic()
+            logger.warning("store '%s' opened read-only: %s (%s)", self.url, self._read_only, exc)
+
+    def _no_space_left(self) -> bool:
+        """Whether the file system refuses to grow a file, the way it
+        refused SQLite (which reports only "disk I/O error" then)."""
+        probe = os.path.join(self.root, f".space.{os.getpid()}.{next(self._counter)}.tmp")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            return exc.errno in _NO_SPACE_ERRNOS
+        try:
+            return os.write(fd, bytes(_SPACE_PROBE_NBYTES)) < _SPACE_PROBE_NBYTES
+        except OSError as exc:
+            return exc.errno in _NO_SPACE_ERRNOS
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+
+    def _try_leave_read_only(self) -> bool:
+        """Open the index again if space was freed; at most every
+        ``_FULL_RETRY_SECONDS``.  Caller holds ``self._lock``."""
+        now = time.monotonic()
+        if now - self._last_index_try < _FULL_RETRY_SECONDS:
+            return False
+        self._last_index_try = now
+        reason, self._read_only = self._read_only, None
+        try:
+            self._open_index()
+        except StoreOpenError:
+            self._read_only = reason
+            return False
+        logger.warning("store '%s': the index can be written again; storing blocks again", self.url)
+        return True
+
+    def _open_index(self) -> None:
+        """Check the directory, then open, check and reconcile the index;
+        ``StoreOpenError`` on failure."""
         probe = os.path.join(self.root, f".probe.{os.getpid()}.{next(self._counter)}.tmp")
         try:
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
@@ -382,9 +465,14 @@ class DiskStore(KVStore):
 
     # ------------------------------------------------------------------ index
 
-    def _db(self) -> sqlite3.Connection:
+    def _check_open(self) -> None:
         if self._closed:
             raise StoreError(f"store '{self.url}' is closed")
+
+    def _db(self) -> sqlite3.Connection:
+        self._check_open()
+        if self._read_only is not None:
+            raise _IndexUnavailable(self._read_only)
         if self._pid != os.getpid():
             # A connection must not cross a fork; the child opens its own.
             self._conn = None
@@ -661,7 +749,11 @@ class DiskStore(KVStore):
         keys = [bytes(k) for k in keys]
         results = [False] * len(keys)
         with self._lock:
-            self._db()
+            self._check_open()
+            if self._read_only is not None and not self._try_leave_read_only():
+                self._counts["puts"] += len(keys)
+                self._counts["put_failures"] += len(keys)
+                return results
             self._try_sync_mirror()
             present = self._present
         capacity = self.capacity_nbytes
@@ -770,7 +862,7 @@ class DiskStore(KVStore):
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         check_batch(keys, buffers, "buffers")
         with self._lock:
-            self._db()
+            self._check_open()
         results = [False] * len(keys)
         hits: list[bytes] = []
         bad: list[tuple[bytes, int | None]] = []
@@ -792,7 +884,7 @@ class DiskStore(KVStore):
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         check_batch(keys)
         with self._lock:
-            self._db()
+            self._check_open()
         results: list[bytes | None] = [None] * len(keys)
         hits: list[bytes] = []
         bad: list[tuple[bytes, int | None]] = []
@@ -824,10 +916,15 @@ class DiskStore(KVStore):
             if not self._closed:
                 self._note_touches(hits)
 
+    def _on_disk(self, key: bytes) -> bool:
+        return os.path.exists(self._path(block_name(bytes(key))))
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         check_batch(keys)
         with self._lock:
-            self._db()
+            self._check_open()
+            if self._read_only is not None:
+                return [self._on_disk(k) for k in keys]
             self._try_sync_mirror()
             present = self._present
             return [(k if type(k) is bytes else bytes(k)) in present for k in keys]
@@ -835,12 +932,14 @@ class DiskStore(KVStore):
     def prefix_len(self, keys: Sequence[bytes]) -> int:
         check_batch(keys)
         with self._lock:
-            self._db()
-            self._try_sync_mirror()
+            self._check_open()
+            read_only = self._read_only is not None
+            if not read_only:
+                self._try_sync_mirror()
             present = self._present
             n = 0
             for k in keys:
-                if (k if type(k) is bytes else bytes(k)) not in present:
+                if not (self._on_disk(k) if read_only else (k if type(k) is bytes else bytes(k)) in present):
                     break
                 n += 1
             return n
@@ -849,6 +948,16 @@ class DiskStore(KVStore):
         check_batch(keys)
         retired: list[str | None] = []
         with self._lock:
+            self._check_open()
+            if self._read_only is not None:
+                # No index to write: remove the files only.  The next open
+                # that can write the index drops their rows (rows without a
+                # file), and deleting is how an operator frees the space.
+                for key in keys:
+                    self._pending_touch.pop(bytes(key), None)
+                    with contextlib.suppress(OSError):
+                        os.unlink(self._path(block_name(bytes(key))))
+                return
             try:
                 with self._write_txn() as conn:
                     for key in keys:
@@ -874,7 +983,8 @@ class DiskStore(KVStore):
             url=self.url, num_blocks=num_blocks, nbytes=nbytes, capacity_nbytes=self.capacity_nbytes,
             num_evictions=c["evictions"], num_puts=c["puts"], num_gets=c["gets"], num_hits=c["hits"],
             num_misses=c["misses"], num_put_failures=c["put_failures"], num_corrupt=c["corrupt"],
-            extra={"path": self.root, "fsync": self.fsync, "index": os.path.join(self.root, _INDEX_FILE)})
+            extra={"path": self.root, "fsync": self.fsync, "index": os.path.join(self.root, _INDEX_FILE),
+                   **({"read_only": self._read_only} if self._read_only is not None else {})})
 
     # ------------------------------------------------------------------ inspection
 
@@ -883,6 +993,14 @@ class DiskStore(KVStore):
         deleted between pages (``ucm store clear``) do not shift the walk."""
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
+        with self._lock:
+            self._check_open()
+            read_only = self._read_only is not None
+        if read_only:
+            keys = self._keys_on_disk()
+            for start in range(0, len(keys), batch):
+                yield keys[start:start + batch]
+            return
         after = b""
         while True:
             with self._lock:
@@ -903,7 +1021,7 @@ class DiskStore(KVStore):
         file reads as ``None`` and is left alone (``get`` removes it)."""
         check_batch(keys)
         with self._lock:
-            self._db()
+            self._check_open()
         out: list[tuple[int, bytes] | None] = []
         for key in keys:
             key = bytes(key)
@@ -927,6 +1045,22 @@ class DiskStore(KVStore):
                 os.close(fd)
         return out
 
+    def _keys_on_disk(self) -> list[bytes]:
+        """Every sound block file's key, from the files (read-only mode)."""
+        keys = []
+        for i in range(256):
+            try:
+                entries = os.scandir(os.path.join(self.root, f"{i:02x}"))
+            except FileNotFoundError:
+                continue
+            with entries:
+                for entry in entries:
+                    if len(entry.name) == _NAME_LEN and entry.name.startswith(f"{i:02x}"):
+                        found = self._read_block_info(entry.path, entry.name)
+                        if found is not None:
+                            keys.append(found[0])
+        return sorted(keys)
+
     def last_used(self, keys: Sequence[bytes]) -> list[float | None]:
         """The index's access times: the last put or hit of any process,
         this process's unflushed hits included."""
@@ -934,6 +1068,9 @@ class DiskStore(KVStore):
         keys = [bytes(k) for k in keys]
         found: dict[bytes, int] = {}
         with self._lock:
+            self._check_open()
+            if self._read_only is not None:
+                return [None] * len(keys)  # the access times are in the index
             try:
                 conn = self._db()
                 for start in range(0, len(keys), 500):

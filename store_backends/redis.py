@@ -17,8 +17,11 @@ Options (query string; an unknown option is an error that names it):
     Expiry of each block, a duration (``90``, ``10m``, ``2h``); a put of an
     existing block renews it.
 ``timeout`` (default ``2``)
-    Connect and socket timeout.  It bounds how long any call can wait on a
-    stopped or unreachable server before ``StoreUnavailableError``.
+    How long one call may wait in all on a stopped or unreachable server
+    before ``StoreUnavailableError``: every send and read of the call, on
+    every server it talks to, shares one deadline.  On a cluster that
+    includes (re)connecting; the slot map is reloaded in the background,
+    never inside a call.
 ``max_connections`` (default: unbounded; single server only)
     Connections in the pool (one per concurrent call); past it a call waits
     up to ``timeout`` for a free one.
@@ -49,6 +52,7 @@ A connection whose exchange failed half-way is disconnected, never reused.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import socket
@@ -94,6 +98,54 @@ _SEGMENT = 256
 _CONNECTION_ERRORS = (OSError, redis_py.exceptions.ConnectionError, redis_py.exceptions.TimeoutError)
 
 
+def _left(deadline: float) -> float:
+    """Seconds to the deadline of the current call; ``socket.timeout`` once
+    it has passed, as a socket wait that ran out would raise."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("timed out")
+    return left
+
+
+# The deadline of the call running on this thread, for connections that a
+# call makes (redis-py makes them inside ConnectionPool.get_connection).
+_call = threading.local()
+
+
+class _ConnectWithinDeadline:
+    """Mixed into the connection class of the cluster store's own pools: a
+    connection made or remade during a call gets only what is left of the
+    call's time for the TCP connect and redis-py's handshake, which would
+    otherwise take up to ``timeout`` each on a stopped node."""
+
+    def connect(self, *args, **kwargs):
+        deadline = getattr(_call, "deadline", None)
+        if deadline is None:
+            return super().connect(*args, **kwargs)
+        left = _left(deadline)
+        timeout, connect_timeout = self.socket_timeout, self.socket_connect_timeout
+        self.socket_timeout = left if timeout is None else min(timeout, left)
+        self.socket_connect_timeout = left if connect_timeout is None else min(connect_timeout, left)
+        try:
+            return super().connect(*args, **kwargs)
+        finally:
+            self.socket_timeout, self.socket_connect_timeout = timeout, connect_timeout
+
+
+_within_deadline_classes: dict[type, type] = {}
+
+
+def _within_deadline(connection_class: type) -> type:
+    """``connection_class`` (plain, TLS...) with ``_ConnectWithinDeadline``."""
+    if issubclass(connection_class, _ConnectWithinDeadline):
+        return connection_class
+    cls = _within_deadline_classes.get(connection_class)
+    if cls is None:
+        cls = type(f"Deadline{connection_class.__name__}", (_ConnectWithinDeadline, connection_class), {})
+        _within_deadline_classes[connection_class] = cls
+    return cls
+
+
 class _ReplyError(Exception):
     """An error reply (``-ERR ...``) to one command of a pipeline."""
 
@@ -110,10 +162,11 @@ class _Reader:
     """RESP2 replies read off a socket through a small buffer; bulk payloads
     go straight into the caller's memory."""
 
-    __slots__ = ("_sock", "_buf", "_view", "_start", "_end")
+    __slots__ = ("_sock", "_deadline", "_buf", "_view", "_start", "_end")
 
-    def __init__(self, sock: socket.socket, size: int = 64 * 1024) -> None:
+    def __init__(self, sock: socket.socket, deadline: float | None = None, size: int = 64 * 1024) -> None:
         self._sock = sock
+        self._deadline = deadline
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -133,6 +186,8 @@ class _Reader:
             else:
                 self._buf[:live] = bytes(self._view[self._start:self._end])
             self._start, self._end = 0, live
+        if self._deadline is not None:
+            self._sock.settimeout(_left(self._deadline))
         n = self._sock.recv_into(self._view[self._end:])
         if n == 0:
             raise ConnectionError("the server closed the connection")
@@ -190,6 +245,8 @@ class _Reader:
             dest[:have] = self._view[self._start:self._start + have]
             self._start += have
         while have < n:
+            if self._deadline is not None:
+                self._sock.settimeout(_left(self._deadline))
             got = self._sock.recv_into(dest[have:n], n - have)
             if got == 0:
                 raise ConnectionError("the server closed the connection")
@@ -222,15 +279,19 @@ def _ignore_error(read: Callable[[], object]) -> None:
         pass
 
 
-def _send(sock: socket.socket, chunks: list) -> None:
-    """Write all chunks, gathering them into few system calls."""
+def _send(sock: socket.socket, chunks: list, deadline: float | None = None) -> None:
+    """Write all chunks, gathering them into few system calls, by ``deadline``."""
     if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
         for chunk in chunks:
+            if deadline is not None:
+                sock.settimeout(_left(deadline))
             sock.sendall(chunk)
         return
     i = 0
     while i < len(chunks):
         batch = chunks[i:i + _IOV_MAX]
+        if deadline is not None:
+            sock.settimeout(_left(deadline))
         sent = sock.sendmsg(batch)
         for chunk in batch:
             size = len(chunk)
@@ -315,8 +376,10 @@ class _RedisStoreBase(KVStore):
         each with its share of the positions."""
         raise NotImplementedError
 
-    def _on_redirect(self) -> None:
-        """An answer said a slot lives elsewhere (cluster only)."""
+    def _after_redirect(self, deadline: float) -> bool:
+        """An answer said a slot lives elsewhere (cluster only): whether the
+        redirected keys may be sent again before ``deadline``."""
+        return True
 
     def _on_connection_error(self) -> None:
         """A server could not be reached (the cluster refreshes its map)."""
@@ -348,23 +411,31 @@ class _RedisStoreBase(KVStore):
                                      for k in part]))
         return out
 
+    def _deadline(self) -> float:
+        """When a call starting now must give up."""
+        return time.monotonic() + self._timeout_s
+
     def _exchange(self, groups: list[_Group], build: Callable[[list[int]], list],
-                  read: Callable[[_Reader, list[int]], list[int]]) -> list[int]:
+                  read: Callable[[_Reader, list[int]], list[int]], deadline: float | None = None) -> list[int]:
         """Send every group's commands on a connection of its pool, then read
-        the replies group by group.  ``read`` returns the positions whose
-        key was redirected (cluster), to be retried by the caller."""
+        the replies group by group, all by ``deadline`` (a call of several
+        exchanges passes its own).  ``read`` returns the positions whose key
+        was redirected (cluster), to be retried by the caller."""
         if self._closed:
             raise StoreUnavailableError(f"store '{self.url}' is closed")
+        if deadline is None:
+            deadline = self._deadline()
         held: list[tuple[redis_py.ConnectionPool, redis_py.Connection, list[int]]] = []
         clean = False
         redirected: list[int] = []
+        _call.deadline = deadline
         try:
             for pool, positions in groups:
                 conn = _get_connection(pool)
                 held.append((pool, conn, positions))
-                _send(_sock_of(conn), build(positions))
+                _send(_sock_of(conn), build(positions), deadline)
             for _pool, conn, positions in held:
-                redirected += read(_Reader(_sock_of(conn)), positions)
+                redirected += read(_Reader(_sock_of(conn), deadline), positions)
             clean = True
         except _Unavailable as exc:
             self._on_connection_error()
@@ -375,22 +446,27 @@ class _RedisStoreBase(KVStore):
                 f"store '{self.url}' unavailable: {_describe(exc)} (is the Redis server up? "
                 f"calls give up after timeout={self._timeout_s:g}s)") from None
         finally:
+            _call.deadline = None
             for pool, conn, _positions in held:
                 if not clean:
                     # Replies may still be in flight: this socket is out of step.
                     conn.disconnect()
+                elif getattr(conn, "_sock", None) is not None:
+                    # redis-py's own commands share single-server pools and
+                    # read with the socket's timeout: give it back.
+                    conn._sock.settimeout(conn.socket_timeout)
                 pool.release(conn)
-        if redirected:
-            self._on_redirect()
         return redirected
 
     def _run(self, keys: Sequence[bytes], build, read) -> None:
-        """One exchange, and one more for keys the cluster redirected.  A
-        key still redirected after the slot map was reloaded (ASK, during a
-        slot migration) counts as not stored / not found this time."""
-        redirected = self._exchange(self._groups(keys, None), build, read)
-        if redirected:
-            self._exchange(self._groups(keys, redirected), build, read)
+        """One exchange, and one more for keys the cluster redirected, both
+        within the call's timeout.  A key still redirected after the slot
+        map was reloaded (ASK, during a slot migration), or when no new map
+        came in time, counts as not stored / not found this time."""
+        deadline = self._deadline()
+        redirected = self._exchange(self._groups(keys, None), build, read, deadline)
+        if redirected and self._after_redirect(deadline):
+            self._exchange(self._groups(keys, redirected), build, read, deadline)
 
     # -- KVStore ------------------------------------------------------------
     def put(self, keys: Sequence[bytes], values: Sequence[bytes | Buffer]) -> list[bool]:
@@ -501,7 +577,8 @@ class _RedisStoreBase(KVStore):
             self._contains_at(keys, None, found)
         return found
 
-    def _contains_at(self, keys: Sequence[bytes], positions: list[int] | None, found: list[bool]) -> None:
+    def _contains_at(self, keys: Sequence[bytes], positions: list[int] | None, found: list[bool],
+                     deadline: float | None = None) -> None:
         """Fill ``found`` at ``positions`` (``None``: all) with one EXISTS per key."""
 
         def read(reader: _Reader, positions: list[int] | None) -> list[int]:
@@ -529,9 +606,11 @@ class _RedisStoreBase(KVStore):
             return redirected
 
         build = (lambda positions: self._pack(_EXISTS, keys, positions))
-        redirected = self._exchange(self._groups(keys, positions), build, read)
-        if redirected:
-            self._exchange(self._groups(keys, redirected), build, read)
+        if deadline is None:
+            deadline = self._deadline()
+        redirected = self._exchange(self._groups(keys, positions), build, read, deadline)
+        if redirected and self._after_redirect(deadline):
+            self._exchange(self._groups(keys, redirected), build, read, deadline)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         self._check(keys)
@@ -797,7 +876,7 @@ class RedisStore(_RedisStoreBase):
     def _groups(self, keys: Sequence[bytes], positions: list[int] | None) -> list[_Group]:
         return [(self._pool, positions)]
 
-    def _segment_counts(self, keys: Sequence[bytes]) -> list[int]:
+    def _segment_counts(self, keys: Sequence[bytes], deadline: float) -> list[int]:
         """How many keys of each run of ``_SEGMENT`` keys are stored: one
         multi-key EXISTS per run, all in one round trip.  The server answers
         these several times faster than one EXISTS per key.  A duplicate key
@@ -817,7 +896,7 @@ class RedisStore(_RedisStoreBase):
             counts[:] = [reader.integer() for _ in range(0, len(keys), _SEGMENT)]
             return []
 
-        self._exchange(self._groups(keys, None), build, read)
+        self._exchange(self._groups(keys, None), build, read, deadline)
         return counts
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -829,28 +908,30 @@ class RedisStore(_RedisStoreBase):
         self._check(keys)
         found = [False] * len(keys)
         mixed: list[int] = []
-        for lo, count in zip(range(0, len(keys), _SEGMENT), self._segment_counts(keys)):
+        deadline = self._deadline()
+        for lo, count in zip(range(0, len(keys), _SEGMENT), self._segment_counts(keys, deadline)):
             hi = min(lo + _SEGMENT, len(keys))
             if count >= hi - lo:
                 found[lo:hi] = [True] * (hi - lo)
             elif count > 0:
                 mixed.extend(range(lo, hi))
         if mixed:
-            self._contains_at(keys, mixed, found)
+            self._contains_at(keys, mixed, found, deadline)
         return found
 
     def prefix_len(self, keys: Sequence[bytes]) -> int:
         self._check(keys)
         if not keys:
             return 0
-        for lo, count in zip(range(0, len(keys), _SEGMENT), self._segment_counts(keys)):
+        deadline = self._deadline()
+        for lo, count in zip(range(0, len(keys), _SEGMENT), self._segment_counts(keys, deadline)):
             hi = min(lo + _SEGMENT, len(keys))
             if count < hi - lo:
                 # The first run that is not whole holds the end of the prefix.
                 if count == 0:
                     return lo
                 found = [False] * (hi - lo)
-                self._contains_at(keys[lo:hi], None, found)
+                self._contains_at(keys[lo:hi], None, found, deadline)
                 return lo + (found.index(False) if False in found else hi - lo)
         return len(keys)
 
@@ -866,10 +947,33 @@ class RedisStore(_RedisStoreBase):
             self._pool.disconnect()
 
 
+@dataclasses.dataclass(frozen=True)
+class _SlotMap:
+    """Which pool serves each slot: ``pools[node_of_slot[slot]]`` (-1: no
+    node).  Replaced whole, never changed, so a call that took it sees one
+    consistent map while a reload runs."""
+
+    pools: list[redis_py.ConnectionPool]
+    node_of_slot: np.ndarray
+
+
+class _Reload(threading.Event):
+    """A background reload of the slot map: set when it ends; ``ok`` when it
+    brought a new map."""
+
+    ok = False
+
+
 class RedisClusterStore(_RedisStoreBase):
     """A Redis Cluster: each key goes to the primary that owns its slot;
     a batch becomes one pipelined exchange per primary, all primaries at
-    once."""
+    once.
+
+    Exchanges go through pools of the store's own, one per primary, whose
+    connections connect within the call's deadline; redis-py's pools serve
+    its own commands (slot map, stats, SCAN).  The slot map is reloaded by a
+    background thread, never inside a call: a reload asks nodes one after
+    the other and can meet a stopped one first."""
 
     def __init__(self, url: str, cluster: redis_py.RedisCluster, *, namespace: str = DEFAULT_NAMESPACE,
                  ttl_s: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -877,9 +981,9 @@ class RedisClusterStore(_RedisStoreBase):
         self._cluster = cluster
         self._map_lock = threading.Lock()
         self._stale = False
-        self._slot_pools: list[redis_py.ConnectionPool | None] = []
-        self._node_of_slot: np.ndarray | None = None
-        self._load_slots()
+        self._reloading: _Reload | None = None
+        self._pools: dict[str, redis_py.ConnectionPool] = {}
+        self._map = self._load_slots()
 
     @classmethod
     def from_url(cls, url: str) -> "RedisClusterStore":
@@ -939,65 +1043,81 @@ class RedisClusterStore(_RedisStoreBase):
                 f"host:port names at least one of them") from None
         return cls(url, cluster, namespace=common["namespace"], ttl_s=common["ttl"], timeout_s=common["timeout"])
 
-    def _load_slots(self) -> None:
-        """Slot -> the connection pool of the primary that owns it."""
-        manager = self._cluster.nodes_manager
-        table: list[redis_py.ConnectionPool | None] = [None] * 16384
-        by_name: dict[str, redis_py.ConnectionPool] = {}
-        for slot, nodes in list(manager.slots_cache.items()):
+    def _own_pool(self, node: redis_py.cluster.ClusterNode) -> redis_py.ConnectionPool:
+        pool = self._pools.get(node.name)
+        if pool is None:
+            theirs = self._cluster.get_redis_connection(node).connection_pool
+            pool = redis_py.ConnectionPool(connection_class=_within_deadline(theirs.connection_class),
+                                           **theirs.connection_kwargs)
+            self._pools[node.name] = pool
+        return pool
+
+    def _load_slots(self) -> _SlotMap:
+        """Slot -> the pool of the primary that owns it, from redis-py's map."""
+        pools: list[redis_py.ConnectionPool] = []
+        index: dict[str, int] = {}
+        node_of_slot = np.full(16384, -1, dtype=np.int32)
+        for slot, nodes in list(self._cluster.nodes_manager.slots_cache.items()):
             if not nodes:
                 continue
             primary = nodes[0]
-            pool = by_name.get(primary.name)
-            if pool is None:
-                pool = self._cluster.get_redis_connection(primary).connection_pool
-                by_name[primary.name] = pool
-            table[slot] = pool
-        self._slot_pools = table
-        self._node_of_slot = None
+            n = index.get(primary.name)
+            if n is None:
+                n = index[primary.name] = len(pools)
+                pools.append(self._own_pool(primary))
+            node_of_slot[slot] = n
+        return _SlotMap(pools, node_of_slot)
 
-    def _refresh(self) -> None:
+    def _reload_in_background(self) -> _Reload:
+        """Start reloading the slot map unless a reload is running."""
         with self._map_lock:
-            if not self._stale:
-                return
-            try:
-                self._cluster.nodes_manager.initialize()
-            except (redis_py.exceptions.RedisError, OSError):
-                return  # keep the old map; the next call tries again
-            self._load_slots()
-            self._stale = False
+            done = self._reloading
+            if done is None:
+                done = self._reloading = _Reload()
+                threading.Thread(target=self._reload, args=(done,), name="ucm-cluster-slot-map",
+                                 daemon=True).start()
+        return done
 
-    def _on_redirect(self) -> None:
+    def _reload(self, done: _Reload) -> None:
+        # Cleared first: a connection error seen while this runs marks the
+        # map stale again, and is not lost.
+        self._stale = False
+        try:
+            self._cluster.nodes_manager.initialize()
+            if not self._closed:
+                self._map = self._load_slots()
+                done.ok = True
+        except Exception:  # noqa: BLE001 - whatever failed, keep the old map; the next call asks again
+            self._stale = True
+        finally:
+            with self._map_lock:
+                self._reloading = None
+            done.set()
+
+    def _after_redirect(self, deadline: float) -> bool:
         self._stale = True
-        self._refresh()
+        reload = self._reload_in_background()
+        return reload.wait(max(0.0, deadline - time.monotonic())) and reload.ok
 
     def _on_connection_error(self) -> None:
-        # A primary may have failed over to a replica: ask again next time.
+        # A primary may have failed over to a replica: reload the map.
         self._stale = True
+        self._reload_in_background()
 
     def _groups(self, keys: Sequence[bytes], positions: list[int] | None) -> list[_Group]:
         if self._stale:
-            self._refresh()
-        table = self._slot_pools
+            self._reload_in_background()
+        slot_map = self._map
         index = list(range(len(keys))) if positions is None else positions
-        slots = _slots(self._prefix, [keys[i] for i in index])
-        pools: list[redis_py.ConnectionPool] = []
-        node_of_pool: dict[int, int] = {}
-        for pool in table:
-            if pool is not None and id(pool) not in node_of_pool:
-                node_of_pool[id(pool)] = len(pools)
-                pools.append(pool)
-        node_of_slot = np.array([-1 if p is None else node_of_pool[id(p)] for p in table], dtype=np.int32) \
-            if self._node_of_slot is None else self._node_of_slot
-        self._node_of_slot = node_of_slot
-        nodes = node_of_slot[slots]
+        nodes = slot_map.node_of_slot[_slots(self._prefix, [keys[i] for i in index])]
         if (nodes < 0).any():
             self._stale = True
+            self._reload_in_background()
             raise StoreUnavailableError(
                 f"store '{self.url}' unavailable: no cluster node serves the slot of a key "
                 f"(cluster resharding or down)")
         order = np.asarray(index)
-        return [(pools[n], order[nodes == n].tolist()) for n in np.unique(nodes).tolist()]
+        return [(slot_map.pools[n], order[nodes == n].tolist()) for n in np.unique(nodes).tolist()]
 
     def stats(self) -> StoreStats:
         primaries = self._cluster.get_primaries()
@@ -1009,6 +1129,11 @@ class RedisClusterStore(_RedisStoreBase):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            reloading = self._reloading
+            if reloading is not None:
+                reloading.wait(self._timeout_s)
+            for pool in list(self._pools.values()):  # a reload still running may add one
+                pool.disconnect()
             self._cluster.close()
 
 

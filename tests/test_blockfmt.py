@@ -204,3 +204,89 @@ def test_pack_into_refuses_a_buffer_too_small_or_read_only():
 def test_namespace_digest_must_be_16_bytes():
     with pytest.raises(ValueError, match="16 bytes"):
         encode_header(b"short", b"data")
+
+
+# -- properties: no damage is ever accepted, no input ever crashes ------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+payloads = st.binary(max_size=300)
+keys = st.binary(min_size=1, max_size=32)
+
+
+def verify_outcome(buf, namespace=NAMESPACE, expected=None, key=KEY):
+    """The payload ``verify`` accepts, or the BlockFormatError it raises;
+    any other exception fails the test."""
+    try:
+        return bytes(verify(buf, namespace, expected, key=key))
+    except BlockFormatError as exc:
+        return exc
+
+
+@PROPERTY
+@given(payloads, keys, st.data())
+def test_any_changed_bytes_in_a_block_are_rejected(data, key, draw):
+    buf = bytearray(encode_block(NAMESPACE, data, key=key))
+    positions = draw.draw(st.sets(st.integers(0, len(buf) - 1), min_size=1, max_size=4))
+    for i in positions:
+        buf[i] ^= draw.draw(st.integers(1, 255))
+    for expected in (None, len(data)):
+        assert isinstance(verify_outcome(buf, expected=expected, key=key), BlockFormatError)
+
+
+@PROPERTY
+@given(payloads, keys, st.data())
+def test_a_truncated_block_is_rejected(data, key, draw):
+    buf = encode_block(NAMESPACE, data, key=key)
+    cut = draw.draw(st.integers(0, len(buf) - 1))
+    assert isinstance(verify_outcome(buf[:cut], key=key), BlockFormatError)
+    assert isinstance(verify_outcome(buf[:cut], expected=len(data), key=key), BlockFormatError)
+
+
+@PROPERTY
+@given(payloads, keys, st.binary(min_size=1, max_size=64))
+def test_an_extended_block_is_rejected(data, key, tail):
+    buf = encode_block(NAMESPACE, data, key=key) + tail
+    assert isinstance(verify_outcome(buf, key=key), BlockFormatError)
+
+
+@PROPERTY
+@given(payloads, keys, keys)
+def test_a_block_is_accepted_only_with_its_namespace_and_key(data, key, other_key):
+    buf = encode_block(NAMESPACE, data, key=key)
+    assert verify_outcome(buf, key=key) == data
+    assert isinstance(verify_outcome(buf, namespace=OTHER_NAMESPACE, key=key), BlockFormatError)
+    if other_key != key:
+        assert isinstance(verify_outcome(buf, key=other_key), BlockFormatError)
+
+
+@PROPERTY
+@given(st.binary(max_size=200), st.binary(min_size=16, max_size=16), st.none() | st.integers(0, 300))
+def test_arbitrary_bytes_never_crash_verify_or_parse_header(buf, namespace, expected):
+    assert isinstance(verify_outcome(buf, namespace, expected), BlockFormatError)
+    try:
+        parse_header(buf)
+    except BlockFormatError:
+        pass
+
+
+@PROPERTY
+@given(st.binary(max_size=64), st.data())
+def test_a_sealed_header_with_any_fields_is_accepted_only_when_they_all_hold(data, draw):
+    """Headers a writer could have sealed (right header checksum) with any
+    field values, each either the right one or arbitrary: verify accepts
+    only the header that describes ``data``. (``reserved`` is not checked:
+    version 1 writes 0 and reads past it.)"""
+    right = {"version": FORMAT_VERSION, "header_nbytes": HEADER_NBYTES, "flags": 0, "reserved": 0,
+             "payload_nbytes": len(data), "payload_checksum": blockfmt._checksum(data),
+             "key_check": blockfmt.key_check(KEY)}
+    bits = {"version": 16, "header_nbytes": 16, "flags": 32, "reserved": 32, "payload_nbytes": 64,
+            "payload_checksum": 64, "key_check": 64}
+    fields = {name: draw.draw(st.just(value) | st.integers(0, 2 ** bits[name] - 1), label=name)
+              for name, value in right.items()}
+    buf = bytearray(encode_block(NAMESPACE, data, key=KEY))
+    rewrite_header(buf, **fields)
+    outcome = verify_outcome(buf)
+    sound = all(fields[name] == right[name] for name in right if name != "reserved")
+    assert outcome == data if sound else isinstance(outcome, BlockFormatError)

@@ -313,6 +313,18 @@ def test_clear_asks_and_an_answer_of_no_deletes_nothing(filled):
     assert no_stdin.returncode == 1 and listed(url) == before
 
 
+def test_clear_without_a_stdin_is_a_no_that_deletes_nothing(filled):
+    """`ucm store clear URL <&-` under cron or systemd: no stdin at all."""
+    url = filled[0]
+    before = listed(url)
+    result = subprocess.run(f"{sys.executable} -m ucm_connector.cli store clear '{url}' <&-", shell=True,
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "no answer" in result.stderr and "nothing was deleted" in result.stderr
+    assert listed(url) == before
+
+
 def test_clear_with_yes_deletes_every_key(filled):
     url = filled[0]
     result = ucm("store", "clear", url, "--yes")
@@ -530,8 +542,8 @@ def test_a_manifest_round_trips_and_is_checked_against_its_digest(tmp_path):
         assert store.get([manifest_key(NS_A.digest)])[0] == first
         found = read_manifests(store, [NS_A.digest, NS_B.digest])
     assert list(found) == [NS_A.digest]
-    assert found[NS_A.digest]["model_name"] == MODEL_A
-    assert Namespace(**found[NS_A.digest]["namespace"]) == NS_A
+    assert found[NS_A.digest].model_name == MODEL_A
+    assert found[NS_A.digest].namespace == NS_A
     with pytest.raises(ManifestError, match="describes namespace"):
         parse_manifest(encode_manifest(NS_B), NS_A.digest)
     with pytest.raises(ManifestError, match="not valid JSON"):
@@ -560,6 +572,53 @@ def test_a_bad_manifest_is_reported_by_verify(tmp_path):
     put(url, [manifest_key(NS_A.digest)], [encode_manifest(NS_B)])
     result = ucm("store", "verify", url, "--repair")
     assert "bad manifest" in result.stdout and "describes namespace" in result.stdout
+    assert listed(url) == set()
+
+
+def manifest_with(namespace: Namespace, edit) -> bytes:
+    """The manifest of ``namespace`` after ``edit(record)``, as canonical JSON."""
+    record = json.loads(encode_manifest(namespace, model_name=MODEL_A))
+    edit(record)
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+
+BAD_MANIFESTS = {
+    "integer of 2**63": lambda r: r["namespace"].update(block_size=2 ** 63),
+    "unknown namespace field": lambda r: r["namespace"].update(pipeline_stage=1),
+    "unknown field": lambda r: r.update(note="hi"),
+    "extra not pairs": lambda r: r["namespace"].update(extra=[1, 2], pipeline_stage=1),
+}
+
+
+@pytest.mark.parametrize("edit", list(BAD_MANIFESTS.values()), ids=list(BAD_MANIFESTS))
+def test_a_bad_manifest_is_skipped_by_stats_reported_by_verify_and_removed_by_repair(tmp_path, edit):
+    url = f"disk://{tmp_path}/store"
+    keys, values = blocks(NS_A, 2, 100, seed=4)
+    put(url, keys + [manifest_key(NS_A.digest)], values + [manifest_with(NS_A, edit)])
+
+    stats = ucm("store", "stats", url, "--json")
+    assert stats.returncode == 0, stats.stderr
+    report = json.loads(stats.stdout)
+    [row] = report["namespaces"]
+    assert (row["digest"], row["num_blocks"], row["manifest"]) == (NS_A.digest.hex(), 2, None)
+    assert report["bad_manifests"] == 1
+    text = ucm("store", "stats", url)
+    assert text.returncode == 0, text.stderr
+    assert "bad manifests: 1" in text.stdout and "(bad manifest)" in text.stdout
+
+    verify = ucm("store", "verify", url)
+    assert verify.returncode == 1, verify.stderr
+    assert "bad manifest" in verify.stdout and "2 good, 0 manifests, 1 bad" in verify.stdout
+    repaired = ucm("store", "verify", url, "--repair")
+    assert repaired.returncode == 0, repaired.stderr
+    assert listed(url) == set(keys)
+
+
+def test_clear_by_digest_removes_a_bad_manifest_too(tmp_path):
+    url = f"disk://{tmp_path}/store"
+    put(url, [manifest_key(NS_A.digest)], [manifest_with(NS_A, BAD_MANIFESTS["integer of 2**63"])])
+    result = ucm("store", "clear", url, "--namespace", NS_A.digest.hex()[:8], "--yes")
+    assert result.returncode == 0, result.stderr
     assert listed(url) == set()
 
 

@@ -10,9 +10,11 @@ writes fail with EFBIG).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -608,6 +610,112 @@ def test_a_full_disk_makes_put_return_false_and_leaves_nothing_behind(root):
         assert s.get([b"small"]) == [b"s" * 1000]
         assert s.stats().num_blocks == 1
     assert not os.path.exists(block_path(root, b"big"))
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real file system of 4 MiB (tmpfs) of our own, to fill to 100%."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if not shutil.which("mount") or (sudo and not shutil.which("sudo")):
+        pytest.skip("cannot mount a small tmpfs to fill: needs the mount command, and root or passwordless sudo")
+    mounted = subprocess.run(
+        [*sudo, "mount", "-t", "tmpfs", "-o", f"size=4m,uid={os.getuid()},gid={os.getgid()}", "ucm-test-fs",
+         str(mnt)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({mounted.stderr.strip()}): "
+                    f"needs root or passwordless sudo")
+    yield mnt
+    if subprocess.run([*sudo, "umount", str(mnt)], capture_output=True).returncode != 0:
+        subprocess.run([*sudo, "umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(directory) -> str:
+    """Write a file in ``directory`` until its file system has no byte
+    left; removing the file gives the space back."""
+    path = os.path.join(str(directory), "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for chunk in (bytes(64 * KIB), bytes(1)):
+            with pytest.raises(OSError) as info:
+                while True:
+                    os.write(fd, chunk)
+            assert info.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    assert os.statvfs(str(directory)).f_bavail == 0
+    return path
+
+
+def test_a_store_on_a_full_file_system_opens_reads_hit_and_puts_are_refused(small_fs):
+    root = small_fs / "store"
+    keys = [b"k%d" % i for i in range(8)]
+    values = [value_for(k, 64 * KIB) for k in keys]
+    with open_store(f"disk://{root}") as s:
+        assert s.put(keys, values) == [True] * 8
+    fill(small_fs)
+
+    with open_store(f"disk://{root}?capacity=1GiB") as s:
+        assert s.get(keys) == values
+        buffers = [bytearray(64 * KIB) for _ in range(2)]
+        assert s.get_into(keys[:2], buffers) == [True, True] and buffers == values[:2]
+        assert s.contains(keys + [b"nope"]) == [True] * 8 + [False]
+        assert s.prefix_len(keys + [b"nope"]) == 8
+        assert s.put([b"new"], [b"x" * 1000]) == [False]
+        stats = s.stats()
+    assert "no space left on device" in stats.extra["read_only"]
+    assert (stats.num_hits, stats.num_put_failures) == (10, 1)
+    assert temp_files(root) == [] and not os.path.exists(block_path(root, b"new"))
+
+
+def test_a_new_store_on_a_full_file_system_opens_empty_and_refuses_puts(small_fs):
+    fill(small_fs)
+    with open_store(f"disk://{small_fs}/new") as s:
+        assert s.contains([b"k"]) == [False] and s.get([b"k"]) == [None]
+        assert s.put([b"k"], [b"v"]) == [False]
+        assert "no space left on device" in s.stats().extra["read_only"]
+
+
+def test_a_store_opened_on_a_full_file_system_stores_again_once_space_is_freed(small_fs, monkeypatch):
+    monkeypatch.setattr(disk, "_FULL_RETRY_SECONDS", 0.0)
+    root = small_fs / "store"
+    with open_store(f"disk://{root}") as s:
+        assert s.put([b"old"], [b"o" * 1000]) == [True]
+    filler = fill(small_fs)
+    with open_store(f"disk://{root}") as s:
+        assert s.put([b"new"], [b"n" * 1000]) == [False]
+        os.unlink(filler)
+        assert s.put([b"new"], [b"n" * 1000]) == [True]
+        assert "read_only" not in s.stats().extra
+    with open_store(f"disk://{root}") as s:
+        assert s.get([b"old", b"new"]) == [b"o" * 1000, b"n" * 1000]
+        assert s.stats().num_blocks == 2
+
+
+def test_ucm_store_stats_and_clear_work_on_a_full_file_system(small_fs):
+    url = f"disk://{small_fs}/store"
+    keys = [b"k%d" % i for i in range(8)]
+    with open_store(url) as s:
+        assert s.put(keys, [value_for(k, 64 * KIB) for k in keys]) == [True] * 8
+    fill(small_fs)
+
+    def ucm(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ucm_connector.cli", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+
+    stats = ucm("store", "stats", url, "--json")
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["num_keys"] == 8
+    text = ucm("store", "stats", url)
+    assert "read-only: no space left on device" in text.stdout, text.stdout + text.stderr
+    cleared = ucm("store", "clear", url, "--yes")
+    assert cleared.returncode == 0, cleared.stderr
+    assert "deleted 8 keys" in cleared.stdout
+    with open_store(url) as s:  # clearing gave the space back: a normal store again
+        assert [k for batch in s.iter_keys() for k in batch] == []
+        assert s.stats().num_blocks == 0
+        assert s.put([b"k"], [b"v"]) == [True]
 
 
 # ---------------------------------------------------------------- threads and lifecycle

@@ -5,6 +5,7 @@ a full Redis, a stopped or hung Redis, and a real Redis Cluster."""
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import shutil
 import signal
@@ -12,13 +13,14 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 import redis
 
 from servers import RedisCluster, RedisServer, free_port
 from store_backends import registry
 from store_backends.base import StoreOpenError, StoreUnavailableError
-from store_backends.redis import RedisClusterStore, RedisStore
+from store_backends.redis import RedisClusterStore, RedisStore, _SlotMap
 
 NASTY_KEYS = [
     b"plain",
@@ -485,13 +487,13 @@ def test_cluster_round_trips_big_values_and_nasty_keys(redis_cluster, unique_nam
 def test_cluster_follows_moved_replies_after_a_stale_slot_map(redis_cluster, unique_name):
     with RedisClusterStore.from_url(f"{redis_cluster.url}?namespace={unique_name}") as s:
         # As after a resharding: the store believes one node owns every slot.
-        wrong = next(p for p in s._slot_pools if p is not None)
-        s._slot_pools = [wrong] * len(s._slot_pools)
+        right = s._map
+        s._map = _SlotMap(right.pools[:1], np.zeros_like(right.node_of_slot))
         keys = [b"moved-%d" % i for i in range(100)]
         values = [b"v%d" % i for i in range(100)]
         assert s.put(keys, values) == [True] * 100
         assert s.get(keys) == values
-        assert len({id(p) for p in s._slot_pools}) == 3
+        assert len(s._map.pools) == 3
 
 
 def test_cluster_password_in_the_first_seed():
@@ -543,4 +545,43 @@ def test_cluster_with_a_stopped_node_fails_fast_and_recovers():
                     time.sleep(0.2)
             assert s.get(keys) == [b"again"] * len(keys)
     finally:
+        cluster.cleanup()
+
+
+def test_cluster_calls_stay_within_their_timeout_while_primaries_are_stopped():
+    """Each call's whole wait, slot-map refresh and reconnects included,
+    stays within ``timeout`` (it took two timeouts: a refresh through a
+    stopped node, then the exchange). Two of three primaries are stopped, so
+    most refreshes meet a stopped node first."""
+    cluster = RedisCluster(3).start()
+    stopped = [server.proc.pid for server in cluster.servers[:2]]
+    try:
+        with RedisClusterStore.from_url(f"{cluster.url}?timeout=0.5") as s:
+            keys = [b"deadline-%d" % i for i in range(60)]
+            assert all(s.put(keys, [b"v"] * len(keys)))
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                ops = [lambda: s.get(keys), lambda: s.put(keys, [b"w"] * len(keys)),
+                       lambda: s.contains(keys), lambda: s.prefix_len(keys)]
+                for op in ops + ops[:2]:
+                    exc, seconds = elapsed(op)
+                    assert isinstance(exc, StoreUnavailableError), exc
+                    assert seconds < 0.5 + 0.4, f"a call took {seconds:.2f} s with timeout=0.5"
+            finally:
+                for pid in stopped:
+                    os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 20
+            while True:  # the same store serves again once the nodes run
+                try:
+                    assert s.put(keys, [b"again"] * len(keys)) == [True] * len(keys)
+                    assert s.get(keys) == [b"again"] * len(keys)
+                    break
+                except StoreUnavailableError:
+                    assert time.monotonic() < deadline, "the store did not recover"
+                    time.sleep(0.2)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         cluster.cleanup()

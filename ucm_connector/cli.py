@@ -37,7 +37,8 @@ from store_backends.urls import mask_password, parse_size
 
 from . import __version__, blockfmt
 from .config import OPTIONS, UCMConfig, UCMConfigError
-from .manifest import ManifestError, describe, digest_of, is_manifest_key, parse_manifest, read_manifests
+from .manifest import (Manifest, ManifestError, NewerManifestError, describe, digest_of, is_manifest_key,
+                       parse_manifest, read_manifests)
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -244,7 +245,10 @@ class Survey:
     num_keys: int = 0
     namespaces: dict[bytes, Usage] = dataclasses.field(default_factory=dict)
     manifest_keys: dict[bytes, bytes] = dataclasses.field(default_factory=dict)  # digest -> key
-    manifests: dict[bytes, dict] = dataclasses.field(default_factory=dict)
+    manifests: dict[bytes, Manifest] = dataclasses.field(default_factory=dict)
+    # Manifests that cannot be used (see manifest.parse_manifest): not shown,
+    # counted, and removed by `verify --repair`.
+    bad_manifests: dict[bytes, ManifestError] = dataclasses.field(default_factory=dict)
     newer: dict[int, Usage] = dataclasses.field(default_factory=dict)
     damaged: Usage = dataclasses.field(default_factory=Usage)
     foreign: Usage = dataclasses.field(default_factory=Usage)
@@ -298,7 +302,11 @@ def survey(store: KVStore, progress: Progress, keep_keys: bool = False) -> Surve
                 usage.add(key, head[0], when, keep_keys)
         progress.add(len(keys))
     progress.close()
-    found.manifests = read_manifests(store, found.digests())
+    for digest, manifest in read_manifests(store, found.digests()).items():
+        if isinstance(manifest, Manifest):
+            found.manifests[digest] = manifest
+        elif not isinstance(manifest, NewerManifestError):
+            found.bad_manifests[digest] = manifest
     return found
 
 
@@ -318,11 +326,15 @@ def _namespace_rows(found: Survey) -> list[dict]:
     for digest in found.digests():
         usage = found.namespaces.get(digest, Usage())
         manifest = found.manifests.get(digest)
+        if not usage.num_blocks and manifest is None:
+            continue  # only a manifest that cannot be read: no namespace to show
+        bad = found.bad_manifests.get(digest)
         rows.append({
             "digest": digest.hex(),
             **usage.to_dict(),
-            "manifest": manifest,
+            "manifest": manifest.to_dict() if manifest else None,
             "description": describe(manifest) if manifest else None,
+            "bad_manifest": str(bad) if bad else None,
         })
     rows.sort(key=lambda r: (-r["nbytes"], r["digest"]))
     return rows
@@ -347,6 +359,7 @@ def cmd_store_stats(args: argparse.Namespace) -> int:
             "namespaces": rows,
             "newer_format": [{"version": v, **u.to_dict()} for v, u in sorted(found.newer.items())],
             "damaged": found.damaged.to_dict(),
+            "bad_manifests": len(found.bad_manifests),
             "not_ucm": found.foreign.to_dict(),
             "store": stats.to_dict(),
         }
@@ -374,6 +387,8 @@ def _print_stats(opened: Opened, found: Survey, rows: list[dict], stats, capacit
     if "nbytes_means" in stats.extra:
         line += f" ({stats.extra['nbytes_means']})"
     print(line)
+    if stats.extra.get("read_only"):
+        print(f"  read-only: {stats.extra['read_only']}")
     if rows:
         print()
         print(f"{'NAMESPACE':<16}  {'BLOCKS':>8}  {'BYTES':>10}  {'OLDEST USE':<19}  {'NEWEST USE':<19}  "
@@ -381,7 +396,7 @@ def _print_stats(opened: Opened, found: Survey, rows: list[dict], stats, capacit
         for row in rows:
             print(f"{row['digest'][:16]:<16}  {row['num_blocks']:>8}  {_nbytes(row['nbytes']):>10}  "
                   f"{_when(row['oldest_use']):<19}  {_when(row['newest_use']):<19}  "
-                  f"{row['description'] or '(no manifest)'}")
+                  f"{row['description'] or ('(bad manifest)' if row['bad_manifest'] else '(no manifest)')}")
     notes = []
     for version, usage in sorted(found.newer.items()):
         notes.append(f"format v{version} (newer than this build): {_plural(usage.num_blocks, 'block')}, "
@@ -389,6 +404,9 @@ def _print_stats(opened: Opened, found: Survey, rows: list[dict], stats, capacit
     if found.damaged.num_blocks:
         notes.append(f"damaged headers: {_plural(found.damaged.num_blocks, 'block')}, "
                      f"{_nbytes(found.damaged.nbytes)} (`ucm store verify --repair` removes them)")
+    if found.bad_manifests:
+        notes.append(f"bad manifests: {len(found.bad_manifests)} (`ucm store verify` says what is wrong, "
+                     f"`--repair` removes them)")
     if found.foreign.num_blocks:
         notes.append(f"not ucm blocks: {_plural(found.foreign.num_blocks, 'key')}, {_nbytes(found.foreign.nbytes)}")
     if notes:
@@ -404,6 +422,8 @@ def check_value(key: bytes, value: bytes) -> tuple[str, str, bytes | None]:
     if is_manifest_key(key):
         try:
             parse_manifest(value, digest_of(key))
+        except NewerManifestError:
+            pass  # a newer build's: not damage, never removed
         except ManifestError as exc:
             return "bad", f"bad manifest: {exc}", digest_of(key)
         return "manifest", "", digest_of(key)
@@ -519,8 +539,8 @@ def resolve_namespaces(found: Survey, selectors: list[str], shown: str) -> list[
                 manifest = found.manifests.get(digest)
                 if not manifest:
                     continue
-                model = str(manifest.get("model_name") or "")
-                fingerprint = str((manifest.get("namespace") or {}).get("model_fingerprint", ""))
+                model = manifest.model_name or ""
+                fingerprint = manifest.namespace.model_fingerprint
                 if text and (text == model or text == os.path.basename(model.rstrip("/"))
                              or (len(text) >= 4 and fingerprint.startswith(text))):
                     matched.append(digest)
@@ -537,7 +557,15 @@ def _confirm(question: str, assume_yes: bool) -> bool:
         return True
     sys.stderr.write(f"{question} [y/N] ")
     sys.stderr.flush()
-    answer = sys.stdin.readline()
+    # Under cron or systemd (`<&-`) there is no stdin at all: sys.stdin is
+    # None. That, an empty one and an unreadable one are all a "no".
+    try:
+        answer = sys.stdin.readline() if sys.stdin is not None else ""
+    except (OSError, ValueError):
+        answer = ""
+    if not answer:
+        sys.stderr.write("\nno answer: stdin is closed or empty (as under cron or systemd)\n")
+        return False
     if not answer.endswith("\n"):
         sys.stderr.write("\n")
     return answer.strip().lower() in ("y", "yes")

@@ -25,6 +25,16 @@ Value: canonical JSON (sorted keys, no spaces), for example::
 ``namespace`` is ``dataclasses.asdict(Namespace)``; a reader recomputes the
 digest from it, so a manifest stored under the wrong key, or damaged into
 another valid JSON, is caught rather than believed.
+
+Reading is strict, because the bytes come from a store anyone on the network
+may have written and ``ucm`` must neither crash on them nor show them as
+fact: a version-1 manifest is accepted only when it is exactly what
+``encode_manifest`` writes for a valid ``Namespace`` (every field present,
+none unknown, each of its type, integers within the 64 bits the digest
+encodes them in, canonical JSON). Anything else is a ``ManifestError``
+("bad manifest": ``ucm store verify --repair`` removes it), except a higher
+``manifest_version``, which is a ``NewerManifestError``: written by a newer
+build, left alone. A newer build that changes the fields raises the version.
 """
 
 from __future__ import annotations
@@ -32,7 +42,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import socket
+import struct
 import time
 from typing import Iterable
 
@@ -54,6 +66,41 @@ class ManifestError(ValueError):
     """A stored manifest that cannot be used; the message says why."""
 
 
+class NewerManifestError(ManifestError):
+    """A manifest of a version this build does not read: not damage, so it
+    is neither shown nor removed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A sound manifest: the namespace behind a digest, and who wrote it."""
+
+    namespace: Namespace
+    model_name: str | None
+    created: float
+    writer_version: str
+    writer_host: str
+
+    @property
+    def digest(self) -> bytes:
+        return self.namespace.digest
+
+    def to_dict(self) -> dict:
+        """The stored record (what ``ucm store stats --json`` shows)."""
+        return {
+            "kind": MANIFEST_KIND,
+            "manifest_version": MANIFEST_VERSION,
+            "digest": self.digest.hex(),
+            "namespace": dataclasses.asdict(self.namespace),
+            "model_name": self.model_name,
+            "created": self.created,
+            "writer": {"ucm_connector": self.writer_version, "host": self.writer_host},
+        }
+
+    def encode(self) -> bytes:
+        return _canonical(self.to_dict())
+
+
 def manifest_key(digest: bytes) -> bytes:
     """The store key of the manifest of namespace ``digest``."""
     if len(digest) != DIGEST_NBYTES:
@@ -72,60 +119,133 @@ def digest_of(key: bytes) -> bytes:
     return bytes(key[len(MANIFEST_PREFIX):])
 
 
+def _canonical(record: dict) -> bytes:
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
 def encode_manifest(namespace: Namespace, model_name: str | None = None,
                     created: float | None = None) -> bytes:
     """The stored value of ``namespace``'s manifest."""
     from . import __version__
 
-    record = {
-        "kind": MANIFEST_KIND,
-        "manifest_version": MANIFEST_VERSION,
-        "digest": namespace.digest.hex(),
-        "namespace": dataclasses.asdict(namespace),
-        "model_name": None if model_name is None else str(model_name),
-        "created": time.time() if created is None else float(created),
-        "writer": {"ucm_connector": __version__, "host": socket.gethostname()},
-    }
-    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return Manifest(namespace, None if model_name is None else str(model_name),
+                    time.time() if created is None else float(created), __version__,
+                    socket.gethostname()).encode()
 
 
-def parse_manifest(value: bytes, digest: bytes | None = None) -> dict:
-    """The manifest in ``value`` as a dict; ``ManifestError`` when it is not
-    one, or (given ``digest``) describes another namespace. A manifest from
-    a newer build with namespace fields this one does not know is accepted
-    unchecked: its ``namespace`` cannot be hashed here."""
+_RECORD_FIELDS = frozenset({"kind", "manifest_version", "digest", "namespace", "model_name", "created",
+                            "writer"})
+_WRITER_FIELDS = frozenset({"ucm_connector", "host"})
+# "int", "str", ...: annotations are strings under `from __future__ import annotations`.
+_NAMESPACE_TYPES = {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+                    for f in dataclasses.fields(Namespace)}
+_INT64 = range(-(1 << 63), 1 << 63)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ManifestError(f"it holds {name}, which is not a number")
+
+
+def _check_fields(what: str, found: dict, expected: frozenset) -> None:
+    unknown = sorted(set(found) - expected)
+    missing = sorted(expected - set(found))
+    if unknown:
+        raise ManifestError(f"unknown {what} field(s) {', '.join(map(repr, unknown))}")
+    if missing:
+        raise ManifestError(f"missing {what} field(s) {', '.join(map(repr, missing))}")
+
+
+def _namespace_of(fields: object) -> Namespace:
+    if not isinstance(fields, dict):
+        raise ManifestError("its namespace is not an object")
+    _check_fields("namespace", fields, frozenset(_NAMESPACE_TYPES))
+    for name, value in fields.items():
+        kind = _NAMESPACE_TYPES[name]
+        if kind == "int":
+            # bool is an int to Python but not to a manifest; the digest
+            # packs integers in 64 bits, so a larger one cannot name a namespace.
+            if type(value) is not int or value not in _INT64:
+                raise ManifestError(f"namespace field {name!r} is not a 64-bit integer")
+        elif kind == "str":
+            if type(value) is not str:
+                raise ManifestError(f"namespace field {name!r} is not a string")
+        elif name == "extra":
+            if not (isinstance(value, list) and all(
+                    isinstance(pair, list) and len(pair) == 2 and all(type(v) is str for v in pair)
+                    for pair in value)):
+                raise ManifestError(f"namespace field {name!r} is not a list of [name, value] strings")
+        # A field of another type is left to Namespace's own checks and the
+        # canonical round trip in parse_manifest.
+    try:
+        namespace = Namespace(**fields)
+        namespace.digest
+    except (TypeError, ValueError, OverflowError, struct.error) as exc:
+        raise ManifestError(f"its namespace fields are invalid ({exc})") from None
+    return namespace
+
+
+def parse_manifest(value: bytes, digest: bytes | None = None) -> Manifest:
+    """The manifest in ``value``; ``ManifestError`` when it is not exactly
+    one (see the module docstring), or, given ``digest``, when it describes
+    another namespace. Never raises anything else, whatever ``value`` is."""
+    value = bytes(value)
     if len(value) > MAX_MANIFEST_NBYTES:
         raise ManifestError(f"{len(value)} bytes is too large for a manifest")
     try:
-        record = json.loads(bytes(value).decode("utf-8"))
+        record = json.loads(value.decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ManifestError("not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer of more digits than int() accepts
+        raise ManifestError(f"not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(record, dict) or record.get("kind") != MANIFEST_KIND:
         raise ManifestError("not a ucm namespace manifest")
-    fields = record.get("namespace")
-    if not isinstance(fields, dict):
-        raise ManifestError("it has no namespace fields")
-    known = {f.name for f in dataclasses.fields(Namespace)}
-    if set(fields) <= known:
-        try:
-            actual = Namespace(**fields).digest
-        except (TypeError, ValueError) as exc:
-            raise ManifestError(f"its namespace fields are invalid ({exc})") from None
-        if digest is not None and actual != bytes(digest):
-            raise ManifestError(
-                f"it describes namespace {actual.hex()}, but is stored for {bytes(digest).hex()}")
-    return record
+    version = record.get("manifest_version")
+    if type(version) is not int:
+        raise ManifestError("its manifest_version is not an integer")
+    if version > MANIFEST_VERSION:
+        raise NewerManifestError(
+            f"manifest version {version} is newer than this build reads ({MANIFEST_VERSION}): "
+            f"upgrade ucm-connector to read it")
+    if version != MANIFEST_VERSION:
+        raise ManifestError(f"unsupported manifest version {version}")
+    _check_fields("top-level", record, _RECORD_FIELDS)
+    namespace = _namespace_of(record["namespace"])
+    model_name, created, writer = record["model_name"], record["created"], record["writer"]
+    if model_name is not None and type(model_name) is not str:
+        raise ManifestError("its model_name is not a string")
+    if type(created) is not float or not math.isfinite(created):
+        raise ManifestError("its created time is not a finite number")
+    if not isinstance(writer, dict):
+        raise ManifestError("its writer is not an object")
+    _check_fields("writer", writer, _WRITER_FIELDS)
+    if not all(type(v) is str for v in writer.values()):
+        raise ManifestError("its writer fields are not strings")
+    manifest = Manifest(namespace, model_name, created, writer["ucm_connector"], writer["host"])
+    if record["digest"] != manifest.digest.hex():
+        # Not quoted: it may be anything, a nesting too deep to print included.
+        raise ManifestError(f"its digest is not that of its namespace ({manifest.digest.hex()})")
+    if digest is not None and manifest.digest != bytes(digest):
+        raise ManifestError(
+            f"it describes namespace {manifest.digest.hex()}, but is stored for {bytes(digest).hex()}")
+    # Last, so that the reasons above are named: the same record written
+    # otherwise (spaces, key order, a repeated key, 1 for 1.0) is not what
+    # any engine writes, so it was damaged or forged.
+    if manifest.encode() != value:
+        raise ManifestError("it is not in the canonical form engines write")
+    return manifest
 
 
-def describe(record: dict) -> str:
+def describe(manifest: Manifest) -> str:
     """One line for ``ucm store stats``: model, dtype, layout, geometry, rank."""
-    ns = record.get("namespace") or {}
-    model = record.get("model_name") or f"model {str(ns.get('model_fingerprint', '?'))[:12]}"
-    extra = "".join(f", {k}={v}" for k, v in (ns.get("extra") or ()))
-    return (f"{model} {ns.get('dtype', '?')} {ns.get('kv_layout', '?')}, block {ns.get('block_size', '?')}, "
-            f"{ns.get('num_layers', '?')} layers x {ns.get('num_kv_heads', '?')} kv heads x "
-            f"{ns.get('head_size', '?')}, tp {ns.get('tp_rank', '?')}/{ns.get('tp_size', '?')}, "
-            f"format v{ns.get('format_version', '?')}{extra}")
+    ns = manifest.namespace
+    model = manifest.model_name or f"model {ns.model_fingerprint[:12]}"
+    extra = "".join(f", {k}={v}" for k, v in ns.extra)
+    return (f"{model} {ns.dtype} {ns.kv_layout}, block {ns.block_size}, "
+            f"{ns.num_layers} layers x {ns.num_kv_heads} kv heads x {ns.head_size}, "
+            f"tp {ns.tp_rank}/{ns.tp_size}, format v{ns.format_version}{extra}")
 
 
 def write_manifest(store, namespace: Namespace, model_name: str | None = None) -> bool:
@@ -149,12 +269,13 @@ def write_manifest(store, namespace: Namespace, model_name: str | None = None) -
         return False
 
 
-def read_manifests(store, digests: Iterable[bytes]) -> dict[bytes, dict]:
-    """The sound manifests among ``digests``, by digest. Missing and unusable
-    ones are left out (``ucm store verify`` reports the unusable ones).
-    Store errors propagate: the caller is an operator tool that should say so."""
+def read_manifests(store, digests: Iterable[bytes]) -> dict[bytes, Manifest | ManifestError]:
+    """The manifests of ``digests`` that the store holds, by digest: a
+    ``Manifest``, or the ``ManifestError`` that says why it cannot be used.
+    Missing ones are left out. Store errors propagate: the caller is an
+    operator tool that should say so."""
     digests = list(dict.fromkeys(bytes(d) for d in digests))
-    found: dict[bytes, dict] = {}
+    found: dict[bytes, Manifest | ManifestError] = {}
     for start in range(0, len(digests), 500):
         part = digests[start:start + 500]
         for digest, got in zip(part, store.peek([manifest_key(d) for d in part], None)):
@@ -162,6 +283,6 @@ def read_manifests(store, digests: Iterable[bytes]) -> dict[bytes, dict]:
                 continue
             try:
                 found[digest] = parse_manifest(got[1], digest)
-            except ManifestError:
-                continue
+            except ManifestError as exc:
+                found[digest] = exc
     return found
