@@ -114,17 +114,18 @@ def mla_caches(*, num_layers: int, num_blocks: int, block_size: int, latent: int
 
 
 def fill_random_(caches: dict[str, torch.Tensor], raw: torch.Tensor | None = None, seed: int = 0) -> None:
-    """Random bytes everywhere (NaN patterns included: transfers copy bytes)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Random bytes everywhere (NaN patterns included: transfers copy bytes),
+    drawn on the tensors' own device."""
     targets = [raw] if raw is not None else list(caches.values())
     for t in targets:
-        flat = t.view(-1).view(torch.uint8) if t.is_contiguous() else None
-        if flat is None:
+        if not t.is_contiguous():
             raise ValueError("fill_random_ needs contiguous backing tensors")
-        chunk = 1 << 26
+        flat = t.view(-1).view(torch.uint8)
+        g = torch.Generator(device=flat.device).manual_seed(seed)
+        chunk = 1 << 28
         for lo in range(0, flat.numel(), chunk):
             n = min(chunk, flat.numel() - lo)
-            flat[lo:lo + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+            flat[lo:lo + n] = torch.randint(0, 256, (n,), dtype=torch.uint8, device=flat.device, generator=g)
 
 
 def page_bytes_logical(view: torch.Tensor, block_id: int) -> torch.Tensor:

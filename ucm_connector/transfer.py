@@ -203,19 +203,54 @@ def _segments(layers: list[LayerView], offsets: list[int], merge: bool) -> list[
 # -- host rows ---------------------------------------------------------------
 
 
-def _register_pinned(nbytes: int) -> tuple[np.ndarray, torch.Tensor, bool]:
-    """Page-locked host memory of exactly ``nbytes``: numpy's buffer
-    registered with CUDA (torch's own pinned allocator rounds every request
-    up to a power of two), or torch's pinned memory where that fails."""
-    buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call made outside
+    torch, which would otherwise surface at torch's next launch check."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+def _unregister(address: int, keep_alive: object) -> None:
+    # keep_alive is the mapping itself: unmapped before it is unregistered,
+    # its range would stay registered and a later mapping there would fail.
     try:
-        rc = int(torch.cuda.cudart().cudaHostRegister(buf.ctypes.data, buf.nbytes, 0))
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:
+        pass
+
+
+def _pinned_memory(owner: object, nbytes: int) -> tuple[np.ndarray, torch.Tensor, object]:
+    """Page-locked host memory of exactly ``nbytes`` (torch's pinned
+    allocator rounds every request up to a power of two): fresh anonymous
+    pages registered with CUDA, unregistered when ``owner`` is collected;
+    torch's pinned memory where registration fails.  Returns the memory as
+    numpy and torch, and the unregistering finalizer (None for torch's)."""
+    import mmap
+    import weakref
+
+    mapping = mmap.mmap(-1, max(nbytes, 1))
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    address = array.ctypes.data
+    try:
+        rc = int(torch.cuda.cudart().cudaHostRegister(address, array.nbytes, 0))
     except Exception:
         rc = -1
     if rc == 0:
-        return buf, torch.from_numpy(buf), True
+        return array, torch.from_numpy(array), weakref.finalize(owner, _unregister, address, mapping)
+    _clear_cuda_error()
+    del array
+    try:
+        mapping.close()
+    except BufferError:
+        pass
     tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-    return tensor.numpy(), tensor, False
+    return tensor.numpy(), tensor, None
 
 
 class HostRows:
@@ -257,14 +292,13 @@ class RowPool:
         self.payload_nbytes = payload_nbytes
         self.capacity = max(1, max_nbytes // row_nbytes)
         nbytes = self.capacity * row_nbytes
-        self._registered = False
+        self._unregister = None
         if pinned:
-            flat, tensor, self._registered = _register_pinned(nbytes)
+            flat, tensor, self._unregister = _pinned_memory(self, nbytes)
         else:
             flat = np.empty(nbytes, dtype=np.uint8)
             flat.fill(0)  # fault the pages in now, not during the first copy
             tensor = torch.from_numpy(flat)
-        self._flat = flat
         self._array = flat[:nbytes].reshape(self.capacity, row_nbytes)
         self._tensor = tensor[:nbytes].view(self.capacity, row_nbytes)
         self.pinned = pinned
@@ -307,8 +341,8 @@ class RowPool:
 
     def _reap(self, block: bool) -> None:
         """Free the rows whose copies are done (``block``: wait for the oldest)."""
-        still = []
-        for i, (rows, transfer) in enumerate(self._pending):
+        pending, self._pending, still = self._pending, [], []
+        for i, (rows, transfer) in enumerate(pending):
             if block and i == 0:
                 self._cond.release()
                 try:
@@ -319,7 +353,7 @@ class RowPool:
                 self._free_rows(rows)
             else:
                 still.append((rows, transfer))
-        self._pending = still
+        self._pending = still + self._pending   # those given back while we waited
 
     def _free_rows(self, rows: HostRows) -> None:
         self._free.append((rows.start, rows.count))
@@ -340,11 +374,17 @@ class RowPool:
                 self._free_rows(rows)
             self._cond.notify_all()
 
+    @property
+    def registered(self) -> bool:
+        """Whether the rows are memory of ours registered with CUDA (else
+        torch's pinned memory, or plain memory on CPU)."""
+        return self._unregister is not None and self._unregister.alive
+
     def close(self) -> None:
-        """Unpin the memory (rows still lent out must not be used after)."""
-        if self._registered:
-            self._registered = False
-            torch.cuda.cudart().cudaHostUnregister(self._flat.ctypes.data)
+        """Unpin now rather than when the pool is collected; rows lent out
+        stay readable, as plain memory."""
+        if self._unregister is not None:
+            self._unregister()
 
 
 class Transfer:
@@ -381,7 +421,10 @@ _DONE = Transfer()
 
 class _Ring:
     """Device staging slots for one direction, with the events that order
-    their reuse; one copy at a time per direction (``lock``)."""
+    their reuse; one copy at a time per direction (``lock``).  The strided
+    views of a slot that the index kernels write or read are built once
+    per chunk shape and kept: building them per copy cost more host time
+    than the copy's kernels took (benchmarks/RESULTS.md)."""
 
     def __init__(self, device: torch.device, slot_nbytes: int, slots: int) -> None:
         self.device = device
@@ -394,12 +437,46 @@ class _Ring:
         self.drained = [torch.cuda.Event() for _ in range(slots)]
         self.used = [False] * slots
         self.lock = threading.Lock()
+        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
 
-    def slot(self, k: int, word: int, rows: int, row_nbytes: int) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.empty(self.slot_nbytes * self.slots, dtype=torch.uint8, device=self.device)
-        lo = k * self.slot_nbytes
-        return self.buffer[lo:lo + rows * row_nbytes].view(_WORDS[word]).view(rows, row_nbytes // word)
+    def fit(self, row_nbytes: int) -> None:
+        if self.slot_nbytes < row_nbytes:   # a block larger than a slot: one block per slot
+            self.slot_nbytes = _round_up(row_nbytes, 256)
+            self.buffer = None
+            self._views.clear()
+
+    def rows_per_slot(self, row_nbytes: int) -> int:
+        return max(1, self.slot_nbytes // row_nbytes)
+
+    def chunk(self, k: int, rows: int, word: int, pool: "RowPool", segments: list[_Segment]
+              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Slot ``k`` holding ``rows`` host rows: as bytes (for the DMA), as
+        words, and each segment's payload columns shaped like its view."""
+        key = (k, rows, word, pool.row_nbytes, pool.payload_offset)
+        views = self._views.get(key)
+        if views is None:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.slot_nbytes * self.slots, dtype=torch.uint8, device=self.device)
+            lo = k * self.slot_nbytes
+            as_bytes = self.buffer[lo:lo + rows * pool.row_nbytes].view(rows, pool.row_nbytes)
+            as_words = as_bytes.view(_WORDS[word])
+            views = (as_bytes, as_words, _payload_views(as_words, word, pool.payload_offset, segments))
+            if len(self._views) >= 64:    # odd last-chunk sizes: keep it bounded
+                self._views.clear()
+            self._views[key] = views
+        return views
+
+
+def _payload_views(rows_words: torch.Tensor, word: int, payload_offset: int, segments: list[_Segment]
+                   ) -> list[torch.Tensor]:
+    """Each segment's columns of ``[rows, row words]``, shaped
+    ``[rows, *segment dims]`` like the segment's view of the cache."""
+    views = []
+    for segment in segments:
+        col = (payload_offset + segment.offset) // word
+        sizes = segment.inner_sizes[:-1] + [segment.inner_sizes[-1] // word]
+        views.append(rows_words[:, col:col + segment.nbytes // word].unflatten(1, sizes))
+    return views
 
 
 class BlockTransfer:
@@ -410,7 +487,7 @@ class BlockTransfer:
     (to measure what merging gains; CPU copies always are)."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, *,
-                 staging_nbytes: int = 128 << 20, merge_layers: bool = True, slots: int = 4) -> None:
+                 staging_nbytes: int = 128 << 20, merge_layers: bool = True, slots: int = 2) -> None:
         if not kv_caches:
             raise ValueError("no KV caches were registered")
         self.layers = [describe_layer(n, t, num_blocks) for n, t in kv_caches.items()]
@@ -436,6 +513,12 @@ class BlockTransfer:
             # at half the speed on the 2-core machines (benchmarks/RESULTS.md).
             self._np_views = [s.view(num_blocks).numpy() for s in self._layer_segments]
 
+    # Kernels of a CUDA copy: the index kernels read and write the strided
+    # staging views directly; False goes through a contiguous temporary
+    # (benchmarks/gpu_bench.py measures both).
+    _gather_in_place = True
+    _scatter_in_place = True
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
@@ -455,10 +538,12 @@ class BlockTransfer:
 
     def gather_rows(self, block_ids: Sequence[int], rows: HostRows) -> Transfer:
         """Copy the pages of ``block_ids`` into the payloads of ``rows``
-        (row i for block i).  On CUDA it returns once the copy is issued:
-        ``wait()`` before reading the rows; the caller's stream already
-        waits for the reads of the pages, so later kernels may overwrite
-        them."""
+        (row i for block i).  The bytes around the payloads (a header) are
+        left unspecified: on CUDA whole rows move in one DMA, so write
+        headers after ``wait()``.  On CUDA it returns once the copy is
+        issued: ``wait()`` before reading the rows; the caller's stream
+        already waits for the reads of the pages, so kernels queued later
+        may overwrite them."""
         if len(block_ids) > rows.count:
             raise ValueError(f"{len(block_ids)} blocks do not fit in {rows.count} rows")
         if not self._cuda:
@@ -545,20 +630,11 @@ class BlockTransfer:
         values += [s.align for s in self._segments]
         return next(w for w in (8, 4, 2, 1) if all(v % w == 0 for v in values))
 
-    def _segment_view(self, i: int, word: int) -> torch.Tensor:
-        key = (i, word)
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = self._segments[i].view(self.num_blocks, word)
-        return view
-
-    def _slots_rows(self, ring: _Ring, row_nbytes: int) -> int:
-        return max(1, ring.slot_nbytes // row_nbytes)
-
-    def _ensure_slot_size(self, ring: _Ring, row_nbytes: int) -> None:
-        if ring.slot_nbytes < row_nbytes:   # a block larger than a slot: one block per slot
-            ring.slot_nbytes = _round_up(row_nbytes, 256)
-            ring.buffer = None
+    def _segment_views(self, word: int) -> list[torch.Tensor]:
+        views = self._views.get(word)
+        if views is None:
+            views = self._views[word] = [s.view(self.num_blocks, word) for s in self._segments]
+        return views
 
     def _ids_on_device(self, values: Sequence[int], stream: torch.cuda.Stream) -> torch.Tensor:
         # Pinned, then copied on our own stream: a pageable host-to-device
@@ -575,29 +651,30 @@ class BlockTransfer:
         ring = self._gather_ring
         compute = torch.cuda.current_stream(self.device)
         with ring.lock:
-            self._ensure_slot_size(ring, pool.row_nbytes)
+            ring.fit(pool.row_nbytes)
             word = self._word(pool)
-            per_slot = self._slots_rows(ring, pool.row_nbytes)
+            sources = self._segment_views(word)
+            per_slot = ring.rows_per_slot(pool.row_nbytes)
             ids = self._ids_on_device(block_ids, ring.kernel_stream)
             # The pages were just written by kernels on the compute stream.
             ring.kernel_stream.wait_stream(compute)
             for chunk, lo in enumerate(range(0, n, per_slot)):
                 hi = min(n, lo + per_slot)
                 k = chunk % ring.slots
-                slot = ring.slot(k, word, hi - lo, pool.row_nbytes)
+                as_bytes, as_words, outs = ring.chunk(k, hi - lo, word, pool, self._segments)
                 if ring.used[k]:
                     ring.kernel_stream.wait_event(ring.drained[k])
+                chunk_ids = ids[lo:hi]
                 with torch.cuda.stream(ring.kernel_stream):
-                    for i, segment in enumerate(self._segments):
-                        col = (pool.payload_offset + segment.offset) // word
-                        out = slot[:, col:col + segment.nbytes // word].unflatten(
-                            1, segment.inner_sizes[:-1] + [segment.inner_sizes[-1] // word])
-                        torch.index_select(self._segment_view(i, word), 0, ids[lo:hi], out=out)
+                    for source, out in zip(sources, outs):
+                        if self._gather_in_place:
+                            torch.index_select(source, 0, chunk_ids, out=out)
+                        else:
+                            out.copy_(source.index_select(0, chunk_ids))
                     ring.filled[k].record(ring.kernel_stream)
                 ring.copy_stream.wait_event(ring.filled[k])
                 with torch.cuda.stream(ring.copy_stream):
-                    rows.tensor[lo:hi].copy_(slot.view(torch.uint8).view(hi - lo, pool.row_nbytes),
-                                             non_blocking=True)
+                    rows.tensor[lo:hi].copy_(as_bytes, non_blocking=True)
                     ring.drained[k].record(ring.copy_stream)
                 ring.used[k] = True
             pages_read = torch.cuda.Event()
@@ -614,13 +691,14 @@ class BlockTransfer:
         pool = rows.pool
         ring = self._scatter_ring
         compute = after or torch.cuda.current_stream(self.device)
-        n_rows = rows.count if row_ids is None else max(row_ids) + 1
+        n_rows = len(block_ids) if row_ids is None else max(row_ids) + 1
         with ring.lock:
-            self._ensure_slot_size(ring, pool.row_nbytes)
+            ring.fit(pool.row_nbytes)
             word = self._word(pool)
-            per_slot = self._slots_rows(ring, pool.row_nbytes)
-            # Per chunk of rows: which blocks its rows go to, and where in
-            # the chunk those rows are (all of them when every row is good).
+            targets_views = self._segment_views(word)
+            per_slot = ring.rows_per_slot(pool.row_nbytes)
+            # Per chunk of rows: the blocks its rows go to, and (when some
+            # rows are skipped) where in the chunk those rows are.
             order = np.arange(len(block_ids)) if row_ids is None else np.asarray(row_ids, dtype=np.int64)
             targets = np.asarray(block_ids, dtype=np.int64)
             chunks = []
@@ -628,36 +706,35 @@ class BlockTransfer:
                 hi = min(n_rows, lo + per_slot)
                 pick = np.nonzero((order >= lo) & (order < hi))[0]
                 if len(pick):
-                    whole = row_ids is None or (len(pick) == hi - lo and np.array_equal(order[pick], np.arange(lo, hi)))
+                    whole = len(pick) == hi - lo and np.array_equal(order[pick], np.arange(lo, hi))
                     chunks.append((lo, hi, targets[pick], None if whole else order[pick] - lo))
-            flat_ids = np.concatenate([c[2] for c in chunks] + [c[3] for c in chunks if c[3] is not None])
-            ids = self._ids_on_device(flat_ids, ring.kernel_stream)
+            ids = self._ids_on_device(np.concatenate([c[2] for c in chunks] + [c[3] for c in chunks
+                                                                                 if c[3] is not None]),
+                                      ring.kernel_stream)
             # Pages of freed blocks may still be read by queued kernels.
             ring.kernel_stream.wait_stream(compute)
-            cursor = sum(len(c[2]) for c in chunks)
-            start = 0
+            start, cursor = 0, sum(len(c[2]) for c in chunks)
             for chunk, (lo, hi, dst, pos) in enumerate(chunks):
                 k = chunk % ring.slots
-                slot = ring.slot(k, word, hi - lo, pool.row_nbytes)
+                as_bytes, as_words, srcs = ring.chunk(k, hi - lo, word, pool, self._segments)
                 if ring.used[k]:
                     ring.copy_stream.wait_event(ring.drained[k])
                 with torch.cuda.stream(ring.copy_stream):
-                    slot.view(torch.uint8).view(hi - lo, pool.row_nbytes).copy_(rows.tensor[lo:hi],
-                                                                                   non_blocking=True)
+                    as_bytes.copy_(rows.tensor[lo:hi], non_blocking=True)
                     ring.filled[k].record(ring.copy_stream)
                 ring.kernel_stream.wait_event(ring.filled[k])
                 dst_ids = ids[start:start + len(dst)]
                 start += len(dst)
                 with torch.cuda.stream(ring.kernel_stream):
-                    src_rows = slot
-                    if pos is not None:
-                        src_rows = slot.index_select(0, ids[cursor:cursor + len(pos)])
+                    if pos is not None:   # only some rows passed their checks
+                        picked = as_words.index_select(0, ids[cursor:cursor + len(pos)])
                         cursor += len(pos)
-                    for i, segment in enumerate(self._segments):
-                        col = (pool.payload_offset + segment.offset) // word
-                        src = src_rows[:, col:col + segment.nbytes // word].unflatten(
-                            1, segment.inner_sizes[:-1] + [segment.inner_sizes[-1] // word])
-                        self._segment_view(i, word).index_copy_(0, dst_ids, src)
+                        srcs = _payload_views(picked, word, pool.payload_offset, self._segments)
+                    for target, src in zip(targets_views, srcs):
+                        if self._scatter_in_place:
+                            target.index_copy_(0, dst_ids, src)
+                        else:
+                            target[dst_ids] = src.contiguous()
                     ring.drained[k].record(ring.kernel_stream)
                 ring.used[k] = True
             host_done = torch.cuda.Event()
