@@ -19,7 +19,9 @@ rebuilds them from the rules, and from nothing else:
   block-major ``[num_blocks, 2, block_size, heads, head_size]`` (FlashInfer),
   and MLA ``[num_blocks, block_size, latent]``.
 
-It knows torch and shapes only; nothing here reads or writes KV.
+It also names, for each layout, the order a page's bytes take in a stored
+block (``PAGE_ORDER``), which ``layout.py`` puts into the namespace.  It
+knows torch and shapes only; nothing here reads or writes KV.
 """
 
 from __future__ import annotations
