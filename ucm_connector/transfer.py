@@ -6,8 +6,12 @@ attention backend keeps for one block of one layer, and its bytes go into
 the payload in address order: a page is one or more equal runs of bytes
 (one for block-major caches, two for K/V-first ones, one per head where
 heads sit outside blocks), copied whole and in the order they lie in
-memory.  The inner layout of a page is the backend's business (the CPU
-backend packs K and V per ISA), so the namespace names it.
+memory (where vLLM splits a block into smaller kernel blocks, in the order
+the unsplit block would have).  So the payload depends on the order inside
+a page (tokens outside heads or heads outside tokens), not on how layers
+and blocks nest around pages; the inner layout of a page is the backend's
+business (the CPU backend packs K and V per ISA), and the namespace names it
+(``layout.py``).
 
 Any strided cache view is understood, as long as its last dimension is
 contiguous and it has a dimension of ``num_blocks`` blocks first (or second,
@@ -95,8 +99,8 @@ def describe_layer(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerVie
     def refuse(why: str) -> ValueError:
         return ValueError(
             f"KV cache of layer {name!r} (shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}): "
-            f"{why}; ucm-connector copies whole pages of caches with a dimension of {num_blocks} blocks "
-            f"first (or second, after K/V) and a contiguous last dimension")
+            f"{why}; ucm-connector copies whole pages and needs a dimension of {num_blocks} "
+            "blocks first (or second, after K/V) and a contiguous last dimension")
 
     if tensor.dim() < 2 or tensor.stride(-1) != 1:
         raise refuse("the last dimension is not contiguous")
@@ -312,7 +316,9 @@ class RowPool:
 
     def take(self, count: int, wait: bool = True, timeout: float | None = None) -> HostRows | None:
         """``count`` consecutive rows, or None when they cannot be had: more
-        than the pool holds, or (``wait=False`` / ``timeout``) none free in time."""
+        than the pool holds (take at most ``capacity`` at a time), or, with
+        ``wait=False`` or a ``timeout``, none free in time.  Waiting may
+        mean waiting for a copy that still holds rows given back to the pool."""
         if count < 1 or count > self.capacity:
             return None
         with self._cond:
@@ -321,12 +327,12 @@ class RowPool:
                 start = self._fit(count)
                 if start is not None:
                     return HostRows(self, start, count)
+                if not wait:
+                    return None
                 if self._pending:
-                    # Rows still held by an issued copy: wait for the oldest
-                    # (the host waits on the copy only when the pool is full).
                     self._reap(block=True)
                     continue
-                if not wait or not self._cond.wait(timeout):
+                if not self._cond.wait(timeout):
                     return None
 
     def _fit(self, count: int) -> int | None:
