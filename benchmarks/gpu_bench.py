@@ -219,8 +219,7 @@ class Bench:
                              "gather_exact": gather_exact, "scatter_exact": scatter_exact})
         self.results["layouts"].append(fig)
         self._print_layout(fig)
-        state = (backing, caches, transfer, pool, rows, dev_buf)
-        return state
+        return backing, caches, transfer, pool, rows, dev_buf
 
     def _print_layout(self, f):
         print(f"{f['name']:<46} {f['gather_GBps']:6.1f} {f['gather_ratio']:5.2f}x  "
@@ -435,9 +434,9 @@ def main(argv=None) -> int:
     for case in _cases(args):
         if args.layouts and not any(x in case.name for x in args.layouts.split(",")):
             continue
-        state = bench.layout(case)
-        state[3].close() if hasattr(state[3], "close") else None
-        del state
+        backing, caches, transfer, pool, rows, dev_buf = bench.layout(case)
+        pool.close()
+        del backing, caches, transfer, pool, rows, dev_buf
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if dev.type == "cuda":
