@@ -1,4 +1,12 @@
-"""Whole-block gather/scatter between paged caches and contiguous buffers."""
+"""Whole-block gather/scatter between paged caches and host rows.
+
+Every layout vLLM can hand to ``register_kv_caches`` is built the way vLLM
+builds it (``ucm_connector.cache_views``, checked against vLLM's own
+``create_kv_cache_views`` where vLLM is installed), filled with random bytes,
+and copied both ways; expected bytes come from the caches' logical views, not
+from the code under test.  Each test runs on CPU, and on CUDA wherever CUDA
+exists.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +14,360 @@ import numpy as np
 import pytest
 import torch
 
+from ucm_connector.cache_views import (LAYOUTS, PAGE_ORDER, block_major_caches, fill_random_, kv_first_caches,
+                                       mla_caches, vllm_layer_caches)
 from ucm_connector.transfer import BlockTransfer
 
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device"))]
+HEADER = 64     # the rows the worker uses: a block envelope's header, then the payload
 
-def _caches(shape, layers=3, dtype=torch.bfloat16):
+
+def _caches(shape, layers=3, dtype=torch.bfloat16, device="cpu"):
     torch.manual_seed(0)
-    return {f"model.layers.{i}.self_attn.attn": torch.randn(*shape).to(dtype) for i in range(layers)}
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(*shape).to(dtype).to(device) for i in range(layers)}
 
 
-def test_block_major_pages_round_trip_byte_for_byte():
-    src = _caches((10, 2, 32, 16))
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+def _vllm(layout, device, *, layers=3, blocks=10, heads=2, tokens=4, head_size=8, seed=1, **kw):
+    raw, caches = vllm_layer_caches(layout, num_layers=layers, num_blocks=blocks, num_heads=heads,
+                                    block_size=tokens, content_nbytes=2 * head_size * 2, dtype=torch.bfloat16,
+                                    device=device, **kw)
+    fill_random_(caches, raw, seed=seed)
+    return raw, caches
+
+
+def _logical_page(view: torch.Tensor, block: int, order: str) -> bytes:
+    """A [B, H, N, C] view's page in the stored order, from logical indexing."""
+    page = view[block]
+    return _bytes(page.permute(1, 0, 2) if order == "NHC" else page)
+
+
+def _views_over(views: dict[str, torch.Tensor], raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same strided views over another backing buffer."""
+    out = {}
+    for name, view in views.items():
+        v8 = view.view(torch.int8)
+        out[name] = torch.as_strided(raw, v8.shape, v8.stride(), v8.storage_offset()).view(view.dtype)
+    return out
+
+
+def _gather(transfer, block_ids):
+    out = np.zeros((len(block_ids), transfer.payload_nbytes), dtype=np.uint8)
+    transfer.gather(block_ids, out)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_major_pages_round_trip_byte_for_byte(device):
+    src = _caches((10, 2, 32, 16), device=device)
     transfer = BlockTransfer(src, num_blocks=10)
     assert transfer.payload_nbytes == 3 * 2 * 32 * 16 * 2
-    out = np.zeros((2, transfer.payload_nbytes), dtype=np.uint8)
-    transfer.gather([3, 7], out)
-    expected = b"".join(t[3].view(torch.uint8).numpy().tobytes() for t in src.values())
+    out = _gather(transfer, [3, 7])
+    expected = b"".join(_bytes(t[3]) for t in src.values())
     assert out[0].tobytes() == expected
 
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     BlockTransfer(dst, num_blocks=10).scatter([1, 2], out)
     for name in src:
-        assert torch.equal(dst[name][1].view(torch.uint8), src[name][3].view(torch.uint8))
-        assert torch.equal(dst[name][2].view(torch.uint8), src[name][7].view(torch.uint8))
+        assert _bytes(dst[name][1]) == _bytes(src[name][3])
+        assert _bytes(dst[name][2]) == _bytes(src[name][7])
         assert not dst[name][0].view(torch.uint8).any()  # other pages untouched
 
 
-def test_kv_first_layout_takes_both_halves_of_a_page():
-    src = _caches((2, 10, 32, 4, 16), layers=2, dtype=torch.float16)
-    transfer = BlockTransfer(src, num_blocks=10)
-    out = np.zeros((1, transfer.payload_nbytes), dtype=np.uint8)
-    transfer.gather([4], out)
-    expected = b"".join(t[0, 4].numpy().tobytes() + t[1, 4].numpy().tobytes() for t in src.values())
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_first_layout_takes_both_halves_of_a_page(device):
+    src = _caches((2, 10, 32, 4, 16), layers=2, dtype=torch.float16, device=device)
+    out = _gather(BlockTransfer(src, num_blocks=10), [4])
+    expected = b"".join(_bytes(t[0, 4]) + _bytes(t[1, 4]) for t in src.values())
     assert out[0].tobytes() == expected
 
 
 def test_an_unknown_layout_is_refused_with_the_layer_named():
     with pytest.raises(ValueError, match="model.layers.0.self_attn.attn"):
         BlockTransfer(_caches((7, 2, 32, 16), layers=1), num_blocks=10)
+
+
+def test_a_cache_whose_last_dimension_is_strided_is_refused():
+    cache = {"model.layers.0.self_attn.attn": torch.zeros(10, 2, 16, 32).transpose(2, 3)}
+    with pytest.raises(ValueError, match="last dimension is not contiguous"):
+        BlockTransfer(cache, num_blocks=10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_vllm_layout_round_trips_byte_for_byte(layout, device):
+    raw, src = _vllm(layout, device)
+    transfer = BlockTransfer(src, num_blocks=10)
+    assert transfer.payload_nbytes == 3 * 2 * 4 * 32
+    out = _gather(transfer, [3, 7, 0])
+    for row, block in zip(out, [3, 7, 0]):
+        assert row.tobytes() == b"".join(_logical_page(v, block, PAGE_ORDER[layout]) for v in src.values())
+
+    dst_raw, dst = _vllm(layout, device, seed=2)
+    want_raw = dst_raw.clone()
+    want = _views_over(dst, want_raw)
+    for name in src:
+        for d, s in ((1, 3), (2, 7), (9, 0)):
+            want[name][d] = src[name][s]
+    BlockTransfer(dst, num_blocks=10).scatter([1, 2, 9], out)
+    # Exactly the three pages of every layer changed, to the source's bytes.
+    assert torch.equal(dst_raw, want_raw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layouts_with_one_page_order_store_identical_blocks(device):
+    """The namespace names a page order, not a layout: layouts that order a
+    page's bytes alike must give the same payload for the same KV."""
+    _, reference = _vllm("LBHNC", device, seed=5)
+    payloads = {}
+    for layout in LAYOUTS:
+        _, caches = _vllm(layout, device, seed=9)
+        for name, view in caches.items():
+            view.copy_(reference[name])       # logical copy: same KV, other strides
+        payloads[layout] = _gather(BlockTransfer(caches, num_blocks=10), [6, 1]).tobytes()
+    for layout in LAYOUTS:
+        same = [other for other in LAYOUTS if payloads[other] == payloads[layout]]
+        assert same == [other for other in LAYOUTS if PAGE_ORDER[other] == PAGE_ORDER[layout]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_kernel_block_split_stores_the_same_payload_as_whole_blocks(layout, device):
+    _, whole = _vllm(layout, device, tokens=8, seed=3)
+    raw, split = _vllm(layout, device, tokens=8, kernel_block_size=4, seed=4)
+    for name, view in split.items():  # kernel block b*2+j holds tokens [4j, 4j+4) of block b
+        b, h, n, c = whole[name].shape
+        view.copy_(whole[name].reshape(b, h, 2, n // 2, c).permute(0, 2, 1, 3, 4).reshape(b * 2, h, n // 2, c))
+    payload = _gather(BlockTransfer(split, num_blocks=10), [5, 2])
+    assert payload.tobytes() == _gather(BlockTransfer(whole, num_blocks=10), [5, 2]).tobytes()
+
+    transfer = BlockTransfer(split, num_blocks=10)
+    others = [b for b in range(10) if b not in (2, 5)]
+    untouched = _gather(transfer, others)
+    transfer.scatter([5, 2], payload[::-1].copy())     # the two blocks swap their KV
+    assert _gather(transfer, [2, 5]).tobytes() == payload.tobytes()
+    assert _gather(transfer, others).tobytes() == untouched.tobytes()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_mla_pages_copy_the_latent_and_leave_the_padding(layout, device):
+    # 576 bf16 latents, 16 tokens: 18,432 bytes, padded to 20,480.
+    raw, src = vllm_layer_caches(layout, num_layers=2, num_blocks=6, num_heads=1, block_size=16,
+                                 content_nbytes=576 * 2, dtype=torch.bfloat16, device=device, page_pad_to=20480)
+    fill_random_(src, raw, seed=7)
+    transfer = BlockTransfer(src, num_blocks=6)
+    assert transfer.payload_nbytes == 2 * 16 * 576 * 2
+    out = _gather(transfer, [4])
+    assert out[0].tobytes() == b"".join(_bytes(v[4]) for v in src.values())
+    before = raw.clone()
+    transfer.scatter([1], out)
+    for name, view in src.items():
+        assert _bytes(view[1]) == _bytes(view[4])
+    changed = (raw != before).nonzero().flatten()
+    pages = [range(v.storage_offset() * 2 + v.stride(0) * 2, v.storage_offset() * 2 + v.stride(0) * 2 + 18432)
+             for v in src.values()]
+    assert all(any(int(i) in page for page in pages) for i in changed)   # padding untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("build", [kv_first_caches, block_major_caches])
+def test_older_per_layer_caches_round_trip(build, device):
+    src = build(num_layers=2, num_blocks=8, num_heads=2, block_size=4, head_size=8, dtype=torch.float16,
+                device=device)
+    fill_random_(src, seed=8)
+    out = _gather(BlockTransfer(src, num_blocks=8), [2, 6])
+    dst = build(num_layers=2, num_blocks=8, num_heads=2, block_size=4, head_size=8, dtype=torch.float16,
+                device=device)
+    BlockTransfer(dst, num_blocks=8).scatter([0, 7], out)
+    for name, t in src.items():
+        page = (lambda x, b: x[:, b]) if build is kv_first_caches else (lambda x, b: x[b])
+        assert _bytes(page(dst[name], 0)) == _bytes(page(t, 2))
+        assert _bytes(page(dst[name], 7)) == _bytes(page(t, 6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mla_block_major_round_trips(device):
+    src = mla_caches(num_layers=3, num_blocks=5, block_size=16, latent=576, dtype=torch.bfloat16, device=device)
+    fill_random_(src, seed=9)
+    out = _gather(BlockTransfer(src, num_blocks=5), [3])
+    assert out[0].tobytes() == b"".join(_bytes(t[3]) for t in src.values())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_vllm_cache_moves_with_one_index_operation(layout):
+    _, caches = _vllm(layout, "cpu")
+    assert BlockTransfer(caches, num_blocks=10).num_segments == 1
+    assert BlockTransfer(caches, num_blocks=10, merge_layers=False).num_segments == 3
+
+
+# -- host rows -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC", "LHBNC"])
+def test_rows_carry_the_payload_after_the_header(layout, device):
+    _, src = _vllm(layout, device)
+    transfer = BlockTransfer(src, num_blocks=10, staging_nbytes=4096)   # several chunks per batch
+    row_nbytes = HEADER + transfer.payload_nbytes
+    pool = transfer.row_pool(row_nbytes, HEADER, max_nbytes=8 * row_nbytes)
+    rows = pool.take(5)
+    transfer.gather_rows([9, 3, 0, 4, 7], rows).wait()
+    expected = _gather(transfer, [9, 3, 0, 4, 7])
+    assert np.array_equal(rows.rows[:, HEADER:], expected)
+
+    _, dst = _vllm(layout, device, seed=3)
+    target = BlockTransfer(dst, num_blocks=10, staging_nbytes=4096)
+    before = {name: v.clone() for name, v in dst.items()}
+    # Rows 1 and 3 failed their checks: only rows 0, 2, 4 are written.
+    target.scatter_rows([1, 5, 6], rows, row_ids=[0, 2, 4]).synchronize()
+    rows.release()
+    for name in src:
+        assert _bytes(dst[name][1]) == _bytes(src[name][9])
+        assert _bytes(dst[name][5]) == _bytes(src[name][0])
+        assert _bytes(dst[name][6]) == _bytes(src[name][7])
+        for b in (0, 2, 3, 4, 7, 8, 9):
+            assert _bytes(dst[name][b]) == _bytes(before[name][b])
+
+
+def test_a_row_pool_lends_no_more_than_it_holds():
+    _, src = _vllm("LBNHC", "cpu")
+    transfer = BlockTransfer(src, num_blocks=10)
+    row_nbytes = HEADER + transfer.payload_nbytes
+    pool = transfer.row_pool(row_nbytes, HEADER, max_nbytes=4 * row_nbytes + row_nbytes // 2)
+    assert pool.capacity == 4
+    assert pool.take(5) is None
+    first = pool.take(3)
+    assert pool.take(2, wait=False) is None
+    second = pool.take(1)
+    assert not np.shares_memory(first.rows, second.rows)
+    first.release()
+    again = pool.take(2, wait=False)
+    assert again is not None and np.shares_memory(again.rows, first.rows)   # the same memory, reused
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_return_to_the_pool_once_their_copy_is_done(device):
+    _, src = _vllm("LBNHC", device, blocks=64, tokens=16, heads=8, head_size=128)
+    transfer = BlockTransfer(src, num_blocks=64, staging_nbytes=8 << 20)
+    row_nbytes = HEADER + transfer.payload_nbytes
+    pool = transfer.row_pool(row_nbytes, HEADER, max_nbytes=32 * row_nbytes)
+    rows = pool.take(32)
+    rows.rows[:, HEADER:] = 0x77
+    copy = transfer.scatter_rows(list(range(32, 64)), rows)
+    rows.release(after=copy)              # no wait here: the pool waits if it must
+    again = pool.take(32)                 # the same rows, once the upload has read them
+    assert again is not None and np.shares_memory(again.rows, rows.rows)
+    again.rows[:, HEADER:] = 0               # may not reach the pages any more
+    copy.synchronize()
+    assert all(bool((view[32:64].view(torch.uint8) == 0x77).all()) for view in src.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saves_and_loads_on_two_threads_do_not_mix(device):
+    import threading
+
+    _, src = _vllm("LBNHC", device, blocks=96, tokens=16, heads=8, head_size=128, seed=11)
+    transfer = BlockTransfer(src, num_blocks=96, staging_nbytes=4 << 20)
+    row_nbytes = HEADER + transfer.payload_nbytes
+    pool = transfer.row_pool(row_nbytes, HEADER, max_nbytes=64 * row_nbytes)
+    saved = _gather(transfer, list(range(32)))
+    loads = pool.take(32)
+    loads.rows[:, HEADER:] = 0x42
+    errors = []
+
+    def save():
+        rows = pool.take(32)
+        for _ in range(5):
+            transfer.gather_rows(list(range(32)), rows).wait()
+            if not np.array_equal(rows.rows[:, HEADER:], saved):
+                errors.append("a save read other bytes")
+        rows.release()
+
+    def load():
+        for _ in range(5):
+            transfer.scatter_rows(list(range(64, 96)), loads).synchronize()
+
+    threads = [threading.Thread(target=save), threading.Thread(target=load)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(bool((view[64:96].view(torch.uint8) == 0x42).all()) for view in src.values())
+
+
+# -- CUDA ordering -------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_a_gather_sees_compute_stream_writes_queued_just_before():
+    _, src = _vllm("LBNHC", "cuda", blocks=64, tokens=16, heads=8, head_size=128)
+    transfer = BlockTransfer(src, num_blocks=64)
+    pool = transfer.row_pool(HEADER + transfer.payload_nbytes, HEADER, max_nbytes=64 << 20)
+    rows = pool.take(1)
+    torch.cuda._sleep(20_000_000)                      # the compute stream is busy ...
+    for view in src.values():
+        view[17].view(torch.uint8).fill_(0x5A)         # ... then writes the page
+    transfer.gather_rows([17], rows).wait()
+    assert (rows.rows[0, HEADER:] == 0x5A).all()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_kernels_queued_after_a_scatter_read_the_loaded_pages():
+    _, src = _vllm("LBNHC", "cuda", blocks=256, tokens=16, heads=8, head_size=128)
+    transfer = BlockTransfer(src, num_blocks=256, staging_nbytes=8 << 20)
+    pool = transfer.row_pool(HEADER + transfer.payload_nbytes, HEADER, max_nbytes=256 << 20)
+    rows = pool.take(128)
+    rows.rows[:, HEADER:] = 0x3C
+    assert rows.tensor.is_pinned()
+    transfer.scatter_rows(list(range(128)), rows)      # returns before the copy is done
+    last = [view[127].view(torch.uint8).clone() for view in src.values()]   # queued on the compute stream
+    assert all(bool((page == 0x3C).all()) for page in last)
+    rows.release()
+
+
+def test_vllm_builds_the_same_views():
+    """cache_views reproduces vLLM's own construction (where vLLM is here)."""
+    kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layers, blocks, heads, tokens, head_size = 3, 7, 2, 8, 8
+    for name in LAYOUTS:
+        layout = KVCacheLayout[name]
+        for kernel_block_size, spec in (
+                (None, kv.FullAttentionSpec(block_size=tokens, num_kv_heads=heads, head_size=head_size,
+                                            dtype=torch.bfloat16)),
+                (4, kv.FullAttentionSpec(block_size=tokens, num_kv_heads=heads, head_size=head_size,
+                                         dtype=torch.bfloat16)),
+                (None, kv.MLAAttentionSpec(block_size=tokens, num_kv_heads=1, head_size=20, dtype=torch.bfloat16,
+                                           alignment=512))):
+            per_block = layers * spec.page_size_bytes
+            layer_stride, block_stride, *_ = kv.compute_layout_strides(
+                spec, blocks, layers, layout,
+                fixed_strides=(None, per_block if layout.is_block_outermost else None, None, None, None))
+            tensor = kv.KVCacheTensor(size=per_block * blocks, layers=[str(i) for i in range(layers)],
+                                      layer_stride=layer_stride, block_stride=block_stride)
+            raw = torch.zeros(per_block * blocks, dtype=torch.int8)
+            try:
+                theirs = kv.create_kv_cache_views(raw, spec, blocks, layout, tensor,
+                                                  kernel_block_size=kernel_block_size)
+            except ValueError:
+                theirs = None
+            mla = isinstance(spec, kv.MLAAttentionSpec)
+            kwargs = dict(num_layers=layers, num_blocks=blocks, num_heads=spec.num_kv_heads, block_size=tokens,
+                          content_nbytes=spec.state_content_size_bytes, dtype=torch.bfloat16,
+                          page_pad_to=spec.page_size_bytes if mla else None, kernel_block_size=kernel_block_size)
+            if theirs is None:
+                with pytest.raises(ValueError):
+                    vllm_layer_caches(name, **kwargs)
+                continue
+            ours_raw, ours = vllm_layer_caches(name, **kwargs)
+            assert ours_raw.numel() == raw.numel()
+            for a, b in zip(theirs, ours.values()):
+                assert (a.shape, a.stride(), a.storage_offset(), a.dtype) == \
+                    (b.shape, b.stride(), b.storage_offset(), b.dtype), (name, kernel_block_size, mla)

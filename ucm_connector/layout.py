@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from .blockfmt import FORMAT_VERSION
+from .cache_views import PAGE_ORDER
 from .hashing import Namespace, model_fingerprint
 
 
@@ -36,6 +37,34 @@ def _warn_once(message: str) -> None:
         logging.getLogger("vllm.ucm_connector.layout").warning(message)
 
 
+def page_order(layout_name: str | None) -> str:
+    """What a stored block's bytes depend on in a resolved ``KVCacheLayout``.
+
+    ``transfer.py`` copies a page's bytes in address order, and every layout
+    that keeps tokens outside heads within a page (``LBNHC``, ``BLNHC``)
+    gives the same bytes for the same KV, as does every layout that keeps
+    heads outside tokens (``LBHNC LHBNC BLHNC BHLNC``): where layers and
+    blocks nest changes the strides, not the payload.  So engines with, say,
+    ``LBNHC`` and ``BLNHC`` share blocks, and ``LBNHC`` and ``LBHNC`` never
+    do.  A layout this build does not know is kept apart by its name."""
+    if not layout_name:
+        return "default"
+    name = layout_name.upper()
+    name = {"NHD": "LBNHC", "HND": "LBHNC"}.get(name, name)   # vLLM's own aliases
+    order = PAGE_ORDER.get(name)
+    return f"page={order}" if order else f"layout={name}"
+
+
+def _resolved_layout(vllm_config) -> str | None:
+    """The ``KVCacheLayout`` name vLLM resolved for this engine: recorded on
+    the cache config before either connector role is built (the engine core
+    resolves it, workers adopt it), or the one forced by the environment."""
+    import os
+
+    return (getattr(vllm_config.cache_config, "kv_cache_layout", None)
+            or os.environ.get("VLLM_KV_CACHE_LAYOUT"))
+
+
 def kv_layout(vllm_config) -> str:
     """Backend and packing of a KV page: pages are only meaningful to the
     same layout (the CPU backend packs K and V per ISA)."""
@@ -59,12 +88,15 @@ def kv_layout(vllm_config) -> str:
                        "with engines of this vLLM version")
         return f"cpu/CPU_ATTN/{isa}/{cache_config.cache_dtype}"
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None) or "auto"
-    try:
-        from vllm.v1.kv_cache_layout import get_kv_cache_layout
+    order = page_order(_resolved_layout(vllm_config))
+    if order == "default":
+        # vLLM builds from before KVCacheLayout: their NHD/HND page order.
+        try:
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
-        order = get_kv_cache_layout()
-    except Exception:
-        order = "default"
+            order = get_kv_cache_layout() or "default"
+        except Exception:
+            pass
     return f"{current_platform.device_name}/{backend}/{order}/{cache_config.cache_dtype}"
 
 

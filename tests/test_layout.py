@@ -1,0 +1,56 @@
+"""The KV layout in the namespace: engines share blocks exactly when their
+pages hold the same bytes for the same KV."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ucm_connector.cache_views import LAYOUTS
+from ucm_connector.layout import kv_layout, namespace_for, page_order
+
+
+def test_layouts_that_order_a_page_alike_name_one_page_order():
+    assert {page_order(name) for name in ("LBNHC", "BLNHC")} == {"page=NHC"}
+    assert {page_order(name) for name in ("LBHNC", "LHBNC", "BLHNC", "BHLNC")} == {"page=HNC"}
+    assert {page_order(name) for name in LAYOUTS} == {"page=NHC", "page=HNC"}
+
+
+def test_vllm_aliases_and_unknown_layouts():
+    assert page_order("NHD") == page_order("LBNHC")
+    assert page_order("hnd") == page_order("LBHNC")
+    assert page_order("LBXYZ") == "layout=LBXYZ"     # kept apart from every known one
+    assert page_order(None) == "default"
+
+
+def _gpu_config(layout: str | None):
+    model = SimpleNamespace(model="org/some-model", dtype="torch.bfloat16", get_head_size=lambda: 128,
+                            get_num_layers=lambda parallel: 32, get_num_kv_heads=lambda parallel: 8)
+    return SimpleNamespace(model_config=model,
+                           cache_config=SimpleNamespace(kv_cache_layout=layout, cache_dtype="auto", block_size=16),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           attention_config=SimpleNamespace(backend="FLASH_ATTN"))
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    platforms = pytest.importorskip("vllm.platforms")
+    monkeypatch.setattr(platforms, "current_platform", SimpleNamespace(is_cpu=lambda: False, device_name="cuda"),
+                        raising=False)
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+
+
+def test_the_resolved_layout_reaches_the_namespace(on_a_gpu):
+    assert kv_layout(_gpu_config("LBNHC")) == "cuda/FLASH_ATTN/page=NHC/auto"
+    assert kv_layout(_gpu_config("LBHNC")) == "cuda/FLASH_ATTN/page=HNC/auto"
+    digest = {name: namespace_for(_gpu_config(name)).digest for name in LAYOUTS}
+    assert digest["LBNHC"] == digest["BLNHC"]
+    assert digest["LBNHC"] != digest["LBHNC"]
+    assert len(set(digest.values())) == 2
+
+
+def test_a_layout_forced_by_the_environment_counts_when_none_is_recorded(on_a_gpu, monkeypatch):
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
+    assert kv_layout(_gpu_config(None)) == "cuda/FLASH_ATTN/page=HNC/auto"
+    assert kv_layout(_gpu_config("LBNHC")) == "cuda/FLASH_ATTN/page=NHC/auto"   # the recorded one wins
