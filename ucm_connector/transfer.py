@@ -287,7 +287,7 @@ class RowPool:
     out again and again: at most ``max_nbytes`` of them.  Thread-safe."""
 
     def __init__(self, row_nbytes: int, payload_offset: int, payload_nbytes: int, max_nbytes: int,
-                 pinned: bool) -> None:
+                 pinned: bool, prefault: bool = True) -> None:
         if payload_offset + payload_nbytes > row_nbytes:
             raise ValueError(f"rows of {row_nbytes} bytes cannot hold {payload_nbytes} bytes of payload at "
                              f"offset {payload_offset}")
@@ -301,7 +301,8 @@ class RowPool:
             flat, tensor, self._unregister = _pinned_memory(self, nbytes)
         else:
             flat = np.empty(nbytes, dtype=np.uint8)
-            flat.fill(0)  # fault the pages in now, not during the first copy
+            if prefault:
+                flat.fill(0)  # fault the pages in now, not during the first copy
             tensor = torch.from_numpy(flat)
         self._array = flat[:nbytes].reshape(self.capacity, row_nbytes)
         self._tensor = tensor[:nbytes].view(self.capacity, row_nbytes)
@@ -535,10 +536,17 @@ class BlockTransfer:
         ``KVCacheLayout`` views)."""
         return len(self._segments)
 
-    def row_pool(self, row_nbytes: int, payload_offset: int, max_nbytes: int) -> RowPool:
+    def row_pool(self, row_nbytes: int, payload_offset: int, max_nbytes: int, prefault: bool = True) -> RowPool:
         """Host rows for this cache's blocks, pinned on CUDA: at most
-        ``max_nbytes`` (at least one row), allocated now, once."""
-        return RowPool(row_nbytes, payload_offset, self.payload_nbytes, max_nbytes, pinned=self._cuda)
+        ``max_nbytes`` (at least one row), allocated now, once.  On CPU,
+        ``prefault=False`` leaves the pages to be mapped by their first use
+        (a pool sized for a worst case costs no memory until it is used)."""
+        return RowPool(row_nbytes, payload_offset, self.payload_nbytes, max_nbytes, pinned=self._cuda,
+                       prefault=prefault)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self._cuda
 
     # -- copies through host rows -------------------------------------------
 

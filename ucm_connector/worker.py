@@ -2,9 +2,10 @@
 
 ``UCMWorker`` composes small parts, one job each:
 
-* ``BlockReader`` reads a batch of blocks with one ``get_into``, checks every
-  envelope and checksum, copies the good blocks into their pages and deletes
-  bad ones from the store (a bad block would otherwise be found, fail and be
+* ``BlockReader`` reads a batch of blocks with one ``get_into`` straight into
+  rows of a pool (pinned and allocated once on CUDA), checks every envelope
+  and checksum, copies the good blocks into their pages and deletes bad ones
+  from the store (a bad block would otherwise be found, fail and be
   recomputed on every later hit);
 * one way of loading, by ``LoadMode``: ``SyncLoads`` (before the step's
   forward pass; ``start_load_kv`` returns when done), ``AsyncLoads``
@@ -13,10 +14,13 @@
   ``LayerLoads`` (``load_layerwise``: read on the loader thread, copied layer
   by layer, so layer i's attention waits only for layer i's pages);
 * ``Saves``: gathers a step's new blocks out of the cache when its forward
-  pass is done (``wait_for_save``; the pages can be reused at once) and hands
-  them to one background writer, so the engine never waits on the store's
-  I/O.  Blocks the store has are skipped; a full backlog skips saves rather
-  than wait; KV computed on a page whose load failed is never saved.
+  pass is done (``wait_for_save``; on CUDA the gather is issued and the
+  engine goes on, its later kernels ordered after the page reads) into rows
+  of a pool bounded by ``max_pending_save_mib``, and hands them to one
+  background writer, which puts the rows themselves, so the engine never
+  waits on the store's I/O.  Blocks the store has are skipped; a full
+  backlog skips saves rather than wait; KV computed on a page whose load
+  failed is never saved.
 
 Every way of loading answers the same questions (start, wait for a layer,
 this step's failures, what finished, the errors to report), so the worker
@@ -42,19 +46,10 @@ from .events import NOT_STORED, PRESENT, REMOVED, WRITTEN, OutcomeLog
 from .hashing import keys_for_rank
 from .metrics import StatsCollector
 from .scheduler import BlockPlan
-from .transfer import BlockTransfer
+from .transfer import BlockTransfer, HostRows, RowPool, Transfer
 
 # Under "vllm." so that vLLM's log handlers and format apply.
 logger = logging.getLogger("vllm.ucm_connector.worker")
-
-
-def _touched(nbytes: int) -> np.ndarray:
-    """A buffer whose pages are already mapped: the kernel hands out fresh
-    pages lazily (np.zeros included), and faulting them in during a copy
-    runs it at a fraction of memory speed."""
-    buf = np.empty(nbytes, dtype=np.uint8)
-    buf.fill(0)
-    return buf
 
 
 class _Reporter:
@@ -82,20 +77,36 @@ class _Reporter:
 # -- loads ----------------------------------------------------------------------
 
 
-class BlockReader:
-    """Reads, checks and copies one batch of blocks into their pages."""
+class _Chunk:
+    """Blocks read into rows of the pool: ``good`` are the indices of the rows
+    that passed their checks."""
 
-    def __init__(self, *, store: KVStore, transfer: BlockTransfer, namespace_digest: bytes, tp_rank: int,
-                 stats: StatsCollector, events: OutcomeLog, report: _Reporter) -> None:
+    def __init__(self, block_ids: list[int], rows: HostRows, good: list[int]) -> None:
+        self.block_ids = block_ids
+        self.rows = rows
+        self.good = good
+
+    @property
+    def good_ids(self) -> list[int]:
+        return [self.block_ids[i] for i in self.good]
+
+
+class BlockReader:
+    """Reads, checks and copies batches of blocks into their pages, through
+    rows of one pool (pinned and allocated once on CUDA): the store writes
+    into the rows themselves, and the copy into the pages reads them."""
+
+    def __init__(self, *, store: KVStore, transfer: BlockTransfer, pool: RowPool, namespace_digest: bytes,
+                 tp_rank: int, stats: StatsCollector, events: OutcomeLog, report: _Reporter) -> None:
         self.store = store
         self.transfer = transfer
+        self.pool = pool
         self.namespace_digest = namespace_digest
         self.tp_rank = tp_rank
         self.stats = stats
         self.events = events
         self.report = report
         self.payload_nbytes = transfer.payload_nbytes
-        self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
 
     def _read(self, keys: list[bytes], rows: np.ndarray) -> list[bool]:
         try:
@@ -119,64 +130,84 @@ class BlockReader:
                     bad_keys.append(keys[i])
         return good, bad_keys
 
-    def fetch(self, plans: list[BlockPlan], buf: np.ndarray, scatter: bool = True
-              ) -> tuple[list[int], np.ndarray, list[int], np.ndarray]:
-        """Read the plans' blocks into ``buf`` (grown if needed), check them
-        and (``scatter``) copy the good ones into their pages.  Returns the
-        block ids, the rows, the indices of good rows and the (possibly new)
-        buffer; bad blocks go to the stats and are deleted from the store."""
+    def read(self, plans: list[BlockPlan], *, scatter: bool = True, after=None
+             ) -> tuple[list[int], set[int], list[_Chunk], list[Transfer]]:
+        """Read the plans' blocks (a batch per pool's worth), check them and
+        (``scatter``) copy the good ones into their pages, ordered after the
+        work queued on the stream ``after`` (CUDA).  Returns the block ids,
+        the bad ones, the chunks still holding rows (``scatter=False``: the
+        caller copies and releases them) and the issued copies.  Bad blocks
+        go to the stats and are deleted from the store."""
         block_ids = [b for plan in plans for b in plan.block_ids]
         keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
-        n = len(keys)
-        need = n * self.block_nbytes
-        if buf.size < need:
-            buf = _touched(need)
-        rows = buf[:need].reshape(n, self.block_nbytes)
-        # One batched read.  Reading a chunk ahead on another thread while the
-        # last chunk is checked and copied measured no faster on disk and 25%
-        # slower on shm on two cores (benchmarks/RESULTS.md).
-        good, bad_keys = self._check(keys, rows, self._read(keys, rows))
-        if scatter:
-            self.scatter(block_ids, rows, good)
+        kept: list[_Chunk] = []
+        copies: list[Transfer] = []
+        bad: set[int] = set()
+        bad_keys: list[bytes] = []
+        num_good = 0
+        step = self.pool.capacity
+        for lo in range(0, len(keys), step):
+            ids, chunk_keys = block_ids[lo:lo + step], keys[lo:lo + step]
+            rows = self.pool.take(len(ids))
+            try:
+                # One batched read per chunk.  Reading a chunk ahead on
+                # another thread measured no faster on disk and 25% slower
+                # on shm on two cores (benchmarks/RESULTS.md).
+                good, chunk_bad_keys = self._check(chunk_keys, rows.rows, self._read(chunk_keys, rows.rows))
+            except BaseException:
+                rows.release()
+                raise
+            bad_keys += chunk_bad_keys
+            num_good += len(good)
+            chunk = _Chunk(ids, rows, good)
+            bad |= set(ids) - set(chunk.good_ids)
+            if not scatter:
+                kept.append(chunk)
+                continue
+            copy = None
+            try:
+                if good:
+                    copy = self.transfer.scatter_rows(chunk.good_ids, rows, row_ids=good, after=after)
+            finally:
+                rows.release(after=copy)
+            if copy is not None:
+                copies.append(copy)
         if bad_keys:
+            # A bad block would otherwise be found, fail and be recomputed
+            # on every later hit, and never be saved again.
             try:
                 self.store.delete(bad_keys)
                 self.events.add(REMOVED, bad_keys)
             except StoreError as exc:
                 self.report.failed("store delete of bad blocks", exc)
-        self.stats.add(loaded_blocks=len(good), loaded_bytes=len(good) * self.payload_nbytes,
-                       load_errors=n - len(good))
-        return block_ids, rows, good, buf
+        self.stats.add(loaded_blocks=num_good, loaded_bytes=num_good * self.payload_nbytes,
+                       load_errors=len(keys) - num_good)
+        return block_ids, bad, kept, copies
 
-    def scatter(self, block_ids: list[int], rows: np.ndarray, good: list[int],
-                layers: range | None = None) -> None:
-        """Copy the rows ``good`` into the pages of their blocks."""
-        payload = rows[:, blockfmt.HEADER_NBYTES:]
-        if len(good) == len(block_ids):
-            self.transfer.scatter(block_ids, payload, layers)
-        elif good:
-            self.transfer.scatter([block_ids[i] for i in good], payload[good], layers)
 
-    @staticmethod
-    def bad_ids(block_ids: list[int], good: list[int]) -> set[int]:
-        ok = set(good)
-        return {b for i, b in enumerate(block_ids) if i not in ok}
+def _engine_stream():
+    """The stream the forward pass runs on (CUDA), captured on the engine's
+    thread so that a loader thread can order its copies after it."""
+    import torch
+
+    return torch.cuda.current_stream() if torch.cuda.is_available() else None
 
 
 class SyncLoads:
-    """Loads done before the forward pass, in the engine's thread."""
+    """Loads done before the forward pass, in the engine's thread: the copy
+    into the pages is ordered before the forward pass on the device, the
+    host does not wait for it."""
 
     mode = LoadMode.SYNC
 
-    def __init__(self, reader: BlockReader, initial_nbytes: int = 0) -> None:
+    def __init__(self, reader: BlockReader) -> None:
         self.reader = reader
-        self._buf = _touched(initial_nbytes) if initial_nbytes > 0 else np.empty(0, dtype=np.uint8)
         self._errors: set[int] = set()
 
     def start(self, plans: list[BlockPlan]) -> None:
         t0 = time.perf_counter()
-        block_ids, _, good, self._buf = self.reader.fetch(plans, self._buf)
-        self._errors |= BlockReader.bad_ids(block_ids, good)
+        _, bad, _, _ = self.reader.read(plans)
+        self._errors |= bad
         self.reader.stats.add(load_seconds=time.perf_counter() - t0)
 
     def wait_for_layer(self, layer: int) -> None:
@@ -198,8 +229,7 @@ class SyncLoads:
 
 
 class _LoaderThread:
-    """A thread that runs jobs in order until closed; a job that raises is
-    reported by ``on_error`` and the thread carries on."""
+    """A thread that runs jobs in order until closed."""
 
     def __init__(self, run: Callable[[object], None]) -> None:
         self._run = run
@@ -234,13 +264,13 @@ class _LoaderThread:
 class AsyncLoads:
     """Loads on a loader thread; the request waits (vLLM keeps it out of the
     batch) until ``finished`` reports it, its bad blocks with it.  Nothing
-    reads a page of an asynchronous load in the step that starts it."""
+    reads a page of an asynchronous load in the step that starts it, and a
+    request is reported only once its pages are written."""
 
     mode = LoadMode.ASYNC
 
     def __init__(self, reader: BlockReader) -> None:
         self.reader = reader
-        self._buf = np.empty(0, dtype=np.uint8)
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._recv_errors: set[int] = set()
@@ -248,14 +278,17 @@ class AsyncLoads:
         self._thread = _LoaderThread(self._run)
 
     def start(self, plans: list[BlockPlan]) -> None:
-        self._thread.put(*plans)
+        stream = _engine_stream() if self.reader.transfer.on_cuda else None
+        self._thread.put(*[(plan, stream) for plan in plans])
 
-    def _run(self, plan: BlockPlan) -> None:
+    def _run(self, job) -> None:
+        plan, stream = job
         t0 = time.perf_counter()
         bad: set[int] = set(plan.block_ids)
         try:
-            block_ids, _, good, self._buf = self.reader.fetch([plan], self._buf)
-            bad = BlockReader.bad_ids(block_ids, good)
+            _, bad, _, copies = self.reader.read([plan], after=stream)
+            for copy in copies:
+                copy.synchronize()   # this thread may wait; the engine does not
         except Exception as exc:  # the loader must outlive any one bad job
             self.reader.report.failed("block load", exc)
         with self._lock:
@@ -287,37 +320,53 @@ class AsyncLoads:
 class _LayerJob:
     """One step's loads, copied layer by layer as the forward pass goes."""
 
-    def __init__(self, plans: list[BlockPlan], num_layers: int) -> None:
+    def __init__(self, plans: list[BlockPlan], num_layers: int, stream) -> None:
         self.plans = plans
+        self.stream = stream
         self.layer_done = [threading.Event() for _ in range(num_layers)]
         self.done = threading.Event()
         self.bad_block_ids: set[int] = set()
+        self.copies: list[Transfer] = []
 
 
 class LayerLoads:
     """Reads a step's blocks on the loader thread and copies them layer by
-    layer; the forward pass of layer i waits only for layer i's pages."""
+    layer; the forward pass of layer i waits only for layer i's pages.  On
+    CUDA the upload of every layer is one copy, and layer i's attention
+    waits for it on the device (an event), not on the host."""
 
     mode = LoadMode.LAYER
 
     def __init__(self, reader: BlockReader) -> None:
         self.reader = reader
-        self._buf = np.empty(0, dtype=np.uint8)
         self._job: _LayerJob | None = None
         self._thread = _LoaderThread(self._run)
 
     def start(self, plans: list[BlockPlan]) -> None:
-        self._job = _LayerJob(plans, self.reader.transfer.num_layers)
+        stream = _engine_stream() if self.reader.transfer.on_cuda else None
+        self._job = _LayerJob(plans, self.reader.transfer.num_layers, stream)
         self._thread.put(self._job)
 
     def _run(self, job: _LayerJob) -> None:
         t0 = time.perf_counter()
+        transfer = self.reader.transfer
+        num_blocks = sum(len(plan.block_ids) for plan in job.plans)
         try:
-            block_ids, rows, good, self._buf = self.reader.fetch(job.plans, self._buf, scatter=False)
-            job.bad_block_ids = BlockReader.bad_ids(block_ids, good)
-            for i in range(self.reader.transfer.num_layers):
-                self.reader.scatter(block_ids, rows, good, range(i, i + 1))
-                job.layer_done[i].set()
+            if transfer.on_cuda or num_blocks > self.reader.pool.capacity:
+                # One upload of every layer (or more rows than the pool
+                # holds at once): the layers are ready together.
+                _, job.bad_block_ids, _, job.copies = self.reader.read(job.plans, after=job.stream)
+            else:
+                _, job.bad_block_ids, chunks, _ = self.reader.read(job.plans, scatter=False)
+                try:
+                    for i in range(transfer.num_layers):
+                        for chunk in chunks:
+                            if chunk.good:
+                                transfer.scatter(chunk.good_ids, chunk.rows.payload[chunk.good], range(i, i + 1))
+                        job.layer_done[i].set()
+                finally:
+                    for chunk in chunks:
+                        chunk.rows.release()
         except Exception as exc:  # every block of the job counts as failed
             self.reader.report.failed("block load", exc)
             job.bad_block_ids = {b for plan in job.plans for b in plan.block_ids}
@@ -331,6 +380,8 @@ class LayerLoads:
         job = self._job
         if job is not None:
             job.layer_done[layer].wait()
+            for copy in job.copies:
+                copy.order_stream()
 
     def step_failures(self) -> set[int]:
         job = self._job
@@ -361,34 +412,32 @@ _LOADS = {LoadMode.SYNC: SyncLoads, LoadMode.ASYNC: AsyncLoads, LoadMode.LAYER: 
 
 class Saves:
     """A step's new blocks: checked against the store, gathered out of the
-    cache, and written by one background writer."""
+    cache into rows of a pool bounded by ``max_pending_save_mib`` (pinned
+    and allocated once on CUDA, where the gather returns as soon as it is
+    issued), and written by one background writer, which waits for the
+    copy, seals each row's envelope and puts the rows themselves."""
 
-    def __init__(self, *, store: KVStore, transfer: BlockTransfer, namespace_digest: bytes, tp_rank: int,
-                 max_pending_nbytes: int, stats: StatsCollector, events: OutcomeLog, report: _Reporter,
+    def __init__(self, *, store: KVStore, transfer: BlockTransfer, pool: RowPool, namespace_digest: bytes,
+                 tp_rank: int, stats: StatsCollector, events: OutcomeLog, report: _Reporter,
                  share_failures: Callable[[set[int]], set[int]] | None = None) -> None:
         self.store = store
         self.transfer = transfer
+        self.pool = pool
         self.namespace_digest = namespace_digest
         self.tp_rank = tp_rank
-        self.max_pending_nbytes = max_pending_nbytes
         self.stats = stats
         self.events = events
         self.report = report
         self.payload_nbytes = transfer.payload_nbytes
-        self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
         # With TP > 1 every rank's forward pass reads every rank's pages
         # (through the all-reduce), so a save is dropped when a load failed
         # on any rank: this returns the union over the TP group.
         self._share_failures = share_failures
         # Blocks whose load failed, this step and the one before.
         self._recent_failures: collections.deque[set[int]] = collections.deque([set(), set()], maxlen=2)
-        # Save buffers come back from the writer and are reused, so that a
-        # save does not pay for fresh pages (page faults) on the engine's path.
-        self._free_rows: list[np.ndarray] = []
         self._cond = threading.Condition()
-        # (keys, rows, keys whose stored value is replaced rather than kept)
-        self._queue: collections.deque[tuple[list[bytes], np.ndarray, list[bytes]]] = collections.deque()
-        self._pending_nbytes = 0
+        # (keys, rows, their copy, keys whose stored value is replaced)
+        self._queue: collections.deque[tuple[list[bytes], HostRows, Transfer, list[bytes]]] = collections.deque()
         self._writing = 0
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="ucm-save-writer", daemon=True)
@@ -442,41 +491,28 @@ class Saves:
         todo = [i for i, p in enumerate(present) if not p]
         self.events.add(PRESENT, [key for key, p in zip(keys, present) if p])
         skipped = len(keys) - len(todo)
-        nbytes = len(todo) * self.block_nbytes
-        with self._cond:
-            if todo and self._pending_nbytes + nbytes > self.max_pending_nbytes and self._queue:
-                skipped += len(todo)
-                self.events.add(NOT_STORED, [keys[i] for i in todo])
-                todo = []
-            else:
-                self._pending_nbytes += nbytes
+        step = self.pool.capacity
+        for lo in range(0, len(todo), step):
+            part = todo[lo:lo + step]
+            # A full backlog skips saves rather than make the engine wait.
+            rows = self.pool.take(len(part), wait=False)
+            if rows is None:
+                rest = todo[lo:]
+                skipped += len(rest)
+                self.events.add(NOT_STORED, [keys[i] for i in rest])
+                break
+            try:
+                copy = self.transfer.gather_rows([block_ids[i] for i in part], rows)
+            except BaseException:
+                rows.release()
+                raise
+            with self._cond:
+                self._queue.append(([keys[i] for i in part], rows, copy,
+                                    [keys[i] for i in part if overwrite[i]]))
+                self._cond.notify_all()
         if skipped:
             self.stats.add(skipped_saves=skipped)
-        if not todo:
-            return
-        rows = self._take_rows(len(todo))
-        self.transfer.gather([block_ids[i] for i in todo], rows[:, blockfmt.HEADER_NBYTES:])
-        todo_keys = [keys[i] for i in todo]
-        for row, key in zip(rows, todo_keys):
-            blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
-        replace = [keys[i] for i in todo if overwrite[i]]
         self.stats.add(save_seconds=time.perf_counter() - t0)
-        with self._cond:
-            self._queue.append((todo_keys, rows, replace))
-            self._cond.notify_all()
-
-    def _take_rows(self, n: int) -> np.ndarray:
-        with self._cond:
-            for i, buf in enumerate(self._free_rows):
-                if buf.shape[0] >= n:
-                    return self._free_rows.pop(i)[:n]
-        return _touched(n * self.block_nbytes).reshape(n, self.block_nbytes)
-
-    def _give_rows(self, rows: np.ndarray) -> None:
-        base = rows.base if rows.base is not None and rows.base.ndim == 2 else rows
-        with self._cond:
-            if len(self._free_rows) < 4:
-                self._free_rows.append(base)
 
     def _write_loop(self) -> None:
         while True:
@@ -485,18 +521,24 @@ class Saves:
                     self._cond.wait()
                 if not self._queue:
                     return
-                keys, rows, replace = self._queue.popleft()
+                keys, rows, copy, replace = self._queue.popleft()
                 self._writing += 1
             t0 = time.perf_counter()
             try:
+                copy.wait()
+                # Sealed here, after the copy: on CUDA it writes whole rows.
+                for row, key in zip(rows.rows, keys):
+                    blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
                 if replace:
                     # Stores keep the first value put under a key; a value
                     # that must not survive is deleted first (in every tier).
                     self.store.delete(replace)
-                stored = self.store.put(keys, [memoryview(row) for row in rows])
+                stored = self.store.put(keys, [memoryview(row) for row in rows.rows])
             except Exception as exc:  # the writer must outlive any one bad batch
                 self.report.failed("store save", exc)
                 stored = [False] * len(keys)
+            finally:
+                rows.release()
             n = sum(stored)
             if n < len(keys) and self.report.first("store refused"):
                 logger.warning("ucm-connector: store %s refused %d of %d blocks (full?); refused saves "
@@ -506,10 +548,8 @@ class Saves:
             self.events.add(NOT_STORED, [k for k, ok in zip(keys, stored) if not ok])
             self.stats.add(saved_blocks=n, saved_bytes=n * self.payload_nbytes,
                            skipped_saves=len(keys) - n, save_seconds=time.perf_counter() - t0)
-            self._give_rows(rows)
             with self._cond:
                 self._writing -= 1
-                self._pending_nbytes -= rows.nbytes
                 self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -558,17 +598,17 @@ class UCMWorker:
         self._layer_index = {layer.name: i for i, layer in enumerate(self.transfer.layers)}
         parts = dict(store=self.store, transfer=self.transfer, namespace_digest=self.namespace_digest,
                      tp_rank=self.tp_rank, stats=self.stats, events=self.events, report=self._report)
-        reader = BlockReader(**parts)
-        if self.load_mode is LoadMode.SYNC:
-            # A whole-prompt load fits without growing the buffer, and its
-            # pages are touched now rather than during the first hit (capped:
-            # a load of more blocks grows it then).
-            initial = min(self.blocks_per_request, (512 << 20) // self.block_nbytes)
-            self.loads = SyncLoads(reader, initial * self.block_nbytes)
-        else:
-            self.loads = _LOADS[self.load_mode](reader)
-        self.saves = Saves(**parts, max_pending_nbytes=self.max_pending_nbytes,
-                           share_failures=self._share_failures)
+        # Loads: a whole prompt's blocks at once where they fit in 512 MiB
+        # (more are loaded a pool's worth at a time), touched now rather
+        # than during the first hit.  Saves: the backlog bound itself, its
+        # pages mapped as they are first used on CPU.
+        load_rows = max(1, min(self.blocks_per_request or 1, (512 << 20) // self.block_nbytes))
+        self.load_pool = self.transfer.row_pool(self.block_nbytes, blockfmt.HEADER_NBYTES,
+                                                load_rows * self.block_nbytes)
+        self.save_pool = self.transfer.row_pool(self.block_nbytes, blockfmt.HEADER_NBYTES,
+                                                self.max_pending_nbytes, prefault=self.transfer.on_cuda)
+        self.loads = _LOADS[self.load_mode](BlockReader(**parts, pool=self.load_pool))
+        self.saves = Saves(**parts, pool=self.save_pool, share_failures=self._share_failures)
         logger.info("ucm-connector: %d layers registered, %d bytes of KV per block and rank",
                     self.transfer.num_layers, self.payload_nbytes)
 
@@ -611,3 +651,6 @@ class UCMWorker:
             self.saves.close()
         if self.loads is not None:
             self.loads.close()
+        if self.transfer is not None:
+            self.save_pool.close()
+            self.load_pool.close()
