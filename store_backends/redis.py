@@ -65,7 +65,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from .base import Buffer, KVStore, byte_view, StoreOpenError, StoreStats, StoreUnavailableError, check_batch
-from .urls import mask_password, parse_bool, parse_seconds, query_options
+from .urls import mask_password, parse_bool, parse_seconds, query_options, split_url
 
 DEFAULT_NAMESPACE = "ucm"
 DEFAULT_TIMEOUT_S = 2.0
@@ -748,10 +748,7 @@ class RedisStore(_RedisStoreBase):
     @classmethod
     def from_url(cls, url: str) -> "RedisStore":
         masked = mask_password(url)
-        try:
-            parts = urllib.parse.urlsplit(url)
-        except ValueError as exc:
-            raise StoreOpenError(f"store '{masked}' is malformed: {exc}") from None
+        parts = split_url(url)
         scheme = parts.scheme.lower()
         if scheme not in ("redis", "rediss", "unix"):
             raise StoreOpenError(f"store '{masked}': RedisStore opens redis://, rediss:// and unix:// URLs")
@@ -884,10 +881,7 @@ class RedisClusterStore(_RedisStoreBase):
     @classmethod
     def from_url(cls, url: str) -> "RedisClusterStore":
         masked = mask_password(url)
-        try:
-            parts = urllib.parse.urlsplit(url)
-        except ValueError as exc:
-            raise StoreOpenError(f"store '{masked}' is malformed: {exc}") from None
+        parts = split_url(url)
         if parts.scheme.lower() != "redis-cluster":
             raise StoreOpenError(f"store '{masked}': RedisClusterStore opens redis-cluster:// URLs")
         netloc, path = parts.netloc, parts.path
@@ -908,7 +902,14 @@ class RedisClusterStore(_RedisStoreBase):
             item = item.strip()
             if not item:
                 continue
-            host, port = _host_port(url, urllib.parse.urlsplit("//" + item), default_port=None)
+            try:
+                node = urllib.parse.urlsplit("//" + item)
+            except ValueError:
+                # Only the first node's brackets were checked with the URL.
+                raise StoreOpenError(
+                    f"store '{masked}': the node {item!r} is malformed; write it as host:port or "
+                    f"[IPv6]:port") from None
+            host, port = _host_port(url, node, default_port=None)
             nodes.append(redis_py.cluster.ClusterNode(host, port))
         if not nodes:
             raise StoreOpenError(
@@ -926,8 +927,9 @@ class RedisClusterStore(_RedisStoreBase):
             cluster = redis_py.RedisCluster(startup_nodes=nodes, **kwargs)
         except redis_py.exceptions.AuthenticationError:
             raise StoreOpenError(_auth_message(masked, password)) from None
-        except (redis_py.exceptions.RedisError, redis_py.exceptions.RedisClusterException, OSError) as exc:
-            text = _describe(exc)
+        except (redis_py.exceptions.RedisError, redis_py.exceptions.RedisClusterException, OSError,
+                UnicodeError) as exc:
+            text = _describe(exc, password)
             if _is_auth_error(text):
                 raise StoreOpenError(_auth_message(masked, password)) from None
             if "cluster" in text.lower() and "not enabled" in text.lower():
@@ -1147,8 +1149,13 @@ def _ssl_kwargs(url: str, options: dict[str, str]) -> dict[str, object]:
     return kwargs
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, password: str | None = None) -> str:
+    """A library's error text, for a message.  None seen quotes the
+    password, but a message must never show it, so it is cut out anyway
+    (short ones would only garble the text: nobody guards with them)."""
     text = str(exc).strip() or type(exc).__name__
+    if password and len(password) >= 4:
+        text = text.replace(password, "***")
     if isinstance(exc, (socket.timeout, redis_py.exceptions.TimeoutError)) and "timed out" not in text:
         text = f"timed out ({text})"
     return text
@@ -1170,24 +1177,25 @@ def _auth_message(masked: str, password: str | None) -> str:
 def _ping(masked: str, client: redis_py.Redis, cleanup: Callable[[], None], where: str) -> None:
     """Open-time check: the server answers, the credentials and the
     database number are accepted."""
+    password = client.connection_pool.connection_kwargs.get("password")
     try:
         client.ping()
         return
     except redis_py.exceptions.AuthenticationError:
-        message = _auth_message(masked, client.connection_pool.connection_kwargs.get("password"))
+        message = _auth_message(masked, password)
     except redis_py.exceptions.ResponseError as exc:
-        text = str(exc)
+        text = _describe(exc, password)
         if _is_auth_error(text):
-            message = _auth_message(masked, client.connection_pool.connection_kwargs.get("password"))
+            message = _auth_message(masked, password)
         elif "DB index" in text:
             message = f"store '{masked}': {text}; the server has fewer databases (see its 'databases' setting)"
         else:
             message = f"store '{masked}': the server refused the connection: {text}"
     except _CONNECTION_ERRORS as exc:
-        message = (f"store '{masked}' unreachable: {_describe(exc)}; start redis-server there or fix "
+        message = (f"store '{masked}' unreachable: {_describe(exc, password)}; start redis-server there or fix "
                    f"{where} in the URL")
     except redis_py.exceptions.RedisError as exc:
-        message = (f"store '{masked}': the server there does not answer like Redis ({_describe(exc)}); "
+        message = (f"store '{masked}': the server there does not answer like Redis ({_describe(exc, password)}); "
                    f"check {where} in the URL")
     cleanup()
     raise StoreOpenError(message)

@@ -348,7 +348,7 @@ def cmd_store_stats(args: argparse.Namespace) -> int:
             "newer_format": [{"version": v, **u.to_dict()} for v, u in sorted(found.newer.items())],
             "damaged": found.damaged.to_dict(),
             "not_ucm": found.foreign.to_dict(),
-            "store": stats.to_dict(),
+            "store": {**stats.to_dict(), "url": mask_password(stats.url)},
         }
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:

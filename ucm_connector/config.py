@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 from store_backends.registry import url_scheme
 from store_backends.base import StoreOpenError
+from store_backends.urls import mask_password
 
 
 class UCMConfigError(ValueError):
@@ -39,7 +40,8 @@ class Option:
 def _store(name: str, value: Any) -> str | tuple[str, ...]:
     urls = [value] if isinstance(value, str) else value
     if not isinstance(urls, (list, tuple)) or not urls or not all(isinstance(u, str) for u in urls):
-        raise UCMConfigError(f"{name}: expected a store URL or a non-empty list of store URLs, got {value!r}")
+        raise UCMConfigError(f"{name}: expected a store URL or a non-empty list of store URLs, "
+                             f"got {mask_password(repr(value))}")
     for url in urls:
         try:
             url_scheme(url)
