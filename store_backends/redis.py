@@ -77,6 +77,7 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _COMMON_OPTIONS = {"namespace", "ttl", "timeout", "max_connections"}
 _SSL_OPTIONS = {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+_MAX_CONNECTIONS = 10000  # Redis's default maxclients
 
 # Values at least this large are sent as their own buffer instead of being
 # joined with the command around them (a copy that costs more than the
@@ -1098,8 +1099,11 @@ def _common_options(url: str, options: dict[str, str]) -> dict:
     max_connections = None
     if options.get("max_connections"):
         text = options["max_connections"]
-        if not text.isdigit() or int(text) < 1:
-            raise StoreOpenError(f"store '{masked}': max_connections={text!r} must be a whole number >= 1")
+        # redis-py's blocking pool fills a queue with max_connections
+        # slots up front: an absurd bound would take all memory.
+        if not _is_ascii_number(text) or not 1 <= int(text) <= _MAX_CONNECTIONS:
+            raise StoreOpenError(
+                f"store '{masked}': max_connections={text!r} must be a whole number from 1 to {_MAX_CONNECTIONS}")
         max_connections = int(text)
     return {"namespace": namespace, "ttl": ttl, "timeout": timeout, "max_connections": max_connections}
 
@@ -1109,6 +1113,13 @@ def _host_port(url: str, parts: urllib.parse.SplitResult, default_port: int | No
     host = parts.hostname
     if not host:
         raise StoreOpenError(f"store '{masked}' names no host: write it as redis://host:port/db")
+    try:
+        # The resolver's IDNA step raises UnicodeError (not a connection
+        # error) on an empty or over-long label: say so before connecting.
+        host.encode("idna")
+    except UnicodeError:
+        raise StoreOpenError(
+            f"store '{masked}': {host!r} is not a host name (dot-separated labels of 1 to 63 characters)") from None
     try:
         port = parts.port
     except ValueError:
@@ -1123,8 +1134,15 @@ def _host_port(url: str, parts: urllib.parse.SplitResult, default_port: int | No
     return host, port
 
 
+def _is_ascii_number(text: str) -> bool:
+    # str.isdigit also says yes to '²' (which int() refuses) and to other
+    # scripts' digits (which int() reads); a thousand digits is no number
+    # any option takes, and int() refuses 4300.
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def _parse_db(url: str, text: str) -> int:
-    if not text.isdigit():
+    if not _is_ascii_number(text):
         raise StoreOpenError(
             f"store '{mask_password(url)}': the database {text!r} is not a number; "
             f"write redis://host:port/0 (or ?db=0 for unix://)")

@@ -27,6 +27,15 @@ _SIZE_UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
+#: The largest size any store option takes.  Far above any real disk or
+#: memory, and far below where byte counts stop fitting in 64 bits.
+MAX_NBYTES = 1 << 50
+_MAX_NBYTES_TEXT = "1024TiB"
+#: The longest duration any store option takes: longer ones are typos, and
+#: socket and Redis timeouts overflow not much further on.
+MAX_SECONDS = 365 * 24 * 3600
+_MAX_SECONDS_TEXT = "8760h (a year)"
+
 _ENDS_HOST_PART = "/?#"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -110,7 +119,14 @@ def parse_size(text: str, *, url: str = "", name: str = "capacity") -> int:
         where = f"store '{mask_password(url)}': " if url else ""
         raise StoreOpenError(
             f"{where}{name}={text!r} is not a size; write it like 4GiB, 512MiB, 2GB or 1048576")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    # A float, not an int, so that a thousand-digit number costs nothing
+    # (it becomes inf) and is refused below instead of overflowing.
+    nbytes = float(m.group(1)) * _SIZE_UNITS[unit]
+    if nbytes > MAX_NBYTES:
+        where = f"store '{mask_password(url)}': " if url else ""
+        raise StoreOpenError(
+            f"{where}{name}={text!r} is more than {_MAX_NBYTES_TEXT}, the largest size a store option takes")
+    return int(nbytes)
 
 
 def parse_seconds(text: str, *, url: str = "", name: str) -> float:
@@ -120,7 +136,12 @@ def parse_seconds(text: str, *, url: str = "", name: str) -> float:
         where = f"store '{mask_password(url)}': " if url else ""
         raise StoreOpenError(f"{where}{name}={text!r} is not a duration; write it like 2, 0.5, 250ms, 10m or 1h")
     scale = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600}[m.group(2)]
-    return float(m.group(1)) * scale
+    seconds = float(m.group(1)) * scale
+    if seconds > MAX_SECONDS:
+        where = f"store '{mask_password(url)}': " if url else ""
+        raise StoreOpenError(
+            f"{where}{name}={text!r} is longer than {_MAX_SECONDS_TEXT}, the longest a store option takes")
+    return seconds
 
 
 def parse_bool(text: str, *, url: str = "", name: str) -> bool:

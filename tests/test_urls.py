@@ -14,7 +14,7 @@ import pytest
 
 from servers import RedisServer, free_port
 from store_backends import StoreOpenError, open_store
-from store_backends.urls import mask_password
+from store_backends.urls import mask_password, parse_seconds, parse_size
 from ucm_connector import cli
 from ucm_connector.config import UCMConfig, UCMConfigError
 
@@ -198,3 +198,60 @@ def test_a_disk_url_with_a_fragment_is_refused_before_any_directory_is_made(tmp_
 def test_every_scheme_refuses_a_fragment(url):
     assert "'#'" in open_error(url)
 
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:1/\u00b2",
+    "redis://127.0.0.1:1/\u0661",
+    "redis://127.0.0.1:1/" + "9" * 5000,
+    "unix:///tmp/redis.sock?db=\u00b2",
+    "redis://127.0.0.1:1/0?max_connections=\u00b2",
+    "redis://127.0.0.1:1/0?max_connections=" + "9" * 5000,
+])
+def test_numbers_that_are_not_plain_ascii_digits_are_refused(url):
+    message = open_error(url)
+    assert "not a number" in message or "whole number" in message
+
+
+def test_a_huge_max_connections_is_refused_with_the_limit():
+    message = open_error("redis://127.0.0.1:1/0?max_connections=99999999999")
+    assert "max_connections" in message and "10000" in message
+
+
+# -- oversized numbers -----------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["99999999999999999999999999TiB", "9" * 400, "9" * 400 + ".5GiB", "1025TiB"])
+def test_an_oversized_size_is_refused_with_the_limit(text):
+    with pytest.raises(StoreOpenError) as info:
+        parse_size(text, url="disk:///x", name="capacity")
+    assert f"capacity={text!r}" in str(info.value) and "1024TiB" in str(info.value)
+
+
+def test_the_largest_size_is_accepted():
+    assert parse_size("1024TiB") == 1 << 50
+
+
+def test_an_oversized_capacity_is_refused_before_any_directory_is_made(tmp_path):
+    message = open_error(f"disk://{tmp_path}/d?capacity=99999999999999999999999999TiB")
+    assert "capacity" in message and "1024TiB" in message
+    assert not os.path.exists(tmp_path / "d")
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:1/0?ttl=99999999999999999999h",
+    "redis://127.0.0.1:1/0?timeout=" + "9" * 400,
+    "shm://name?server=connect&timeout=9999999h",
+    "disk://{tmp}/d?touch_interval=99999999999999h",
+])
+def test_an_oversized_duration_is_refused_with_the_limit(url, tmp_path):
+    assert "8760h" in open_error(url.format(tmp=tmp_path))
+    assert not os.path.exists(tmp_path / "d")
+
+
+def test_the_longest_duration_is_accepted():
+    assert parse_seconds("8760h", name="ttl") == 365 * 24 * 3600
+
+
+@pytest.mark.parametrize("host", ["a" * 64, "a..b"])
+def test_a_host_name_the_resolver_cannot_take_is_refused_before_connecting(host):
+    message = open_error(f"redis://{host}:1/0?timeout=0.5")
+    assert f"{host!r} is not a host name" in message
