@@ -50,6 +50,7 @@ A connection whose exchange failed half-way is disconnected, never reused.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import socket
 import ssl
@@ -1160,11 +1161,66 @@ def _ssl_kwargs(url: str, options: dict[str, str]) -> dict[str, object]:
         kwargs["ssl_cert_reqs"] = value
     for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
         if name in options:
-            kwargs[name] = options[name]
+            kwargs[name] = _tls_file(url, name, options[name])
+    _load_tls_files(url, kwargs)
     if "ssl_check_hostname" in options:
         kwargs["ssl_check_hostname"] = parse_bool(options["ssl_check_hostname"], url=url,
                                                   name="ssl_check_hostname")
     return kwargs
+
+
+def _tls_file(url: str, name: str, path: str) -> str:
+    """A TLS file option's path, checked now: redis-py reads the files
+    only once connected, and reports a missing one as a failure to connect
+    (or, with no server there, not at all)."""
+    problem = None
+    if not os.path.exists(path):
+        problem = "no such file"
+    elif not os.path.isfile(path):
+        problem = "not a file"
+    elif not os.access(path, os.R_OK):
+        problem = "not readable by this user"
+    if problem:
+        raise StoreOpenError(
+            f"store '{mask_password(url)}': {name}={path!r}: {problem}; give the path of a PEM file "
+            f"that the user running vLLM can read")
+    return path
+
+
+def _no_passphrase() -> bytes:
+    # Without a callback OpenSSL would prompt on the terminal for the
+    # passphrase of an encrypted key; no option passes one to redis-py.
+    raise StoreOpenError("an encrypted ssl_keyfile is not supported")
+
+
+def _load_tls_files(url: str, kwargs: dict[str, object]) -> None:
+    """Load the CA bundle and the client certificate as redis-py will, so
+    that a file that is not PEM is named now, not reported as a server
+    that cannot be reached."""
+    masked = mask_password(url)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ca = kwargs.get("ssl_ca_certs")
+    if ca:
+        try:
+            context.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise StoreOpenError(
+                f"store '{masked}': ssl_ca_certs={ca!r} holds no PEM certificate that loads "
+                f"({getattr(exc, 'reason', None) or exc})") from None
+    cert, key = kwargs.get("ssl_certfile"), kwargs.get("ssl_keyfile")
+    if key and not cert:
+        raise StoreOpenError(f"store '{masked}': ssl_keyfile is the key of ssl_certfile; give both")
+    if cert:
+        try:
+            context.load_cert_chain(cert, key, password=_no_passphrase)
+        except StoreOpenError:
+            raise StoreOpenError(
+                f"store '{masked}': ssl_keyfile={key or cert!r} is encrypted; give a key without a "
+                f"passphrase") from None
+        except (ssl.SSLError, OSError) as exc:
+            raise StoreOpenError(
+                f"store '{masked}': ssl_certfile={cert!r} (with ssl_keyfile={key!r}) does not load as a PEM "
+                f"certificate and its key ({getattr(exc, 'reason', None) or exc})") from None
 
 
 def _describe(exc: BaseException, password: str | None = None) -> str:

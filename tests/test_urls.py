@@ -255,3 +255,50 @@ def test_the_longest_duration_is_accepted():
 def test_a_host_name_the_resolver_cannot_take_is_refused_before_connecting(host):
     message = open_error(f"redis://{host}:1/0?timeout=0.5")
     assert f"{host!r} is not a host name" in message
+
+
+# -- TLS files -------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", ["ssl_ca_certs", "ssl_certfile", "ssl_keyfile"])
+def test_a_missing_tls_file_is_named_not_reported_as_unreachable(option, tmp_path):
+    missing = tmp_path / "missing.pem"
+    message = open_error(f"rediss://127.0.0.1:{closed_port()}/0?{option}={missing}&timeout=0.5")
+    assert f"{option}='{missing}'" in message and "no such file" in message
+    assert "unreachable" not in message
+
+
+def test_a_tls_file_that_is_not_pem_is_named(tmp_path):
+    junk = tmp_path / "ca.pem"
+    junk.write_text("not a certificate\n")
+    message = open_error(f"rediss://127.0.0.1:{closed_port()}/0?ssl_ca_certs={junk}&timeout=0.5")
+    assert f"ssl_ca_certs='{junk}'" in message and "PEM" in message
+    assert "unreachable" not in message
+
+
+def test_a_cluster_with_a_missing_tls_file_names_it(tmp_path):
+    missing = tmp_path / "missing.pem"
+    message = open_error(f"redis-cluster://127.0.0.1:{closed_port()}?ssl=true&ssl_ca_certs={missing}&timeout=0.5")
+    assert f"ssl_ca_certs='{missing}'" in message and "unreachable" not in message
+
+
+def test_an_encrypted_client_key_is_refused_without_prompting(tmp_path):
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=ucm-test", "-passout", "pass:s3cret"],
+                   check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    message = open_error(f"rediss://127.0.0.1:{closed_port()}/0?ssl_certfile={cert}&ssl_keyfile={key}&timeout=0.5")
+    assert "is encrypted" in message and "unreachable" not in message
+
+
+def test_a_client_certificate_and_key_that_load_reach_the_connection(tmp_path):
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=ucm-test"],
+                   check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    message = open_error(f"rediss://127.0.0.1:{closed_port()}/0?ssl_certfile={cert}&ssl_keyfile={key}"
+                         f"&ssl_ca_certs={cert}&timeout=0.5")
+    assert "unreachable" in message
