@@ -612,7 +612,7 @@ def _load_config_argument(text: str) -> tuple[str, dict]:
         try:
             import yaml
 
-            with open(text, encoding="utf-8") as f:
+            with open(text, encoding="utf-8-sig") as f:
                 data = yaml.safe_load(f)
         except Exception:
             data = None  # UCMConfig reads it again and says what is wrong

@@ -64,6 +64,21 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _at_most(limit: int, why: str) -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        value = _positive_int(name, value)
+        if value > limit:
+            raise UCMConfigError(f"{name}: {value} is more than {limit} ({why})")
+        return value
+    return check
+
+
+# Pending saves are host memory, counted in bytes as ``mib << 20``: 1 TiB
+# is more than any host gives a write-behind queue, and keeps that count
+# far inside 64 bits.
+MAX_PENDING_SAVE_MIB = 1 << 20
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise UCMConfigError(f"{name}: expected true or false, got {value!r}")
@@ -103,8 +118,9 @@ OPTIONS: tuple[Option, ...] = (
            "With tiers: write lower tiers in the background (async) or before a save completes (sync).",
            _choice("async", "sync")),
     Option("max_pending_save_mib", "int", 1024,
-           "Bound on saved KV waiting for the background writer; beyond it saves are skipped and counted.",
-           _positive_int),
+           "Bound on saved KV waiting for the background writer; beyond it saves are skipped and counted. "
+           f"At most {MAX_PENDING_SAVE_MIB} (1 TiB).",
+           _at_most(MAX_PENDING_SAVE_MIB, "1 TiB; the pending saves are held in host memory")),
     Option("min_hit_blocks", "int", 1,
            "Fewest stored leading blocks worth loading; shorter hits are computed instead.",
            _positive_int),
@@ -181,12 +197,25 @@ def _load_yaml(path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as exc:
         raise UCMConfigError(f"config_file {path!r}: cannot be read: {exc.strerror}") from None
+    # Editors on Windows start UTF-8 files with a byte order mark.
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise UCMConfigError(
+            f"config_file {path!r}: not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line}); "
+            f"save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise UCMConfigError(f"config_file {path!r}: not valid YAML: {exc}") from None
+        # YAML quotes the offending line, which may hold a store URL.
+        raise UCMConfigError(f"config_file {path!r}: not valid YAML: {mask_password(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
