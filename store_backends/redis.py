@@ -1182,8 +1182,8 @@ def _tls_file(url: str, name: str, path: str) -> str:
         problem = "not readable by this user"
     if problem:
         raise StoreOpenError(
-            f"store '{mask_password(url)}': {name}={path!r}: {problem}; give the path of a PEM file "
-            f"that the user running vLLM can read")
+            f"store '{mask_password(url)}': {name}={path!r}: {problem}"
+            f"; give the path of a PEM file that the user running vLLM can read")
     return path
 
 
