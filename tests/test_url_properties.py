@@ -9,6 +9,8 @@ point into a temporary directory.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 import urllib.parse
 
@@ -23,6 +25,7 @@ from store_backends.urls import MAX_NBYTES, MAX_SECONDS, mask_password, parse_se
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CLOSED_PORT = free_port()
 SCRATCH = tempfile.mkdtemp(prefix="ucm-url-properties-")
+atexit.register(shutil.rmtree, SCRATCH, True)
 
 # The secret is fenced by markers that no other part of a generated URL can
 # hold, so that any leaked piece of it (which holds one end or the other)
