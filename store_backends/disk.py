@@ -91,7 +91,7 @@ from typing import Iterator, Sequence
 
 from .base import Buffer, KVStore, byte_view, StoreError, StoreOpenError, StoreStats, StoreUnavailableError, check_batch
 from .process import pid_alive
-from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options
+from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_url
 
 _MAGIC = b"UCMBLK\x00\x01"
 # The fixed end of a block file: value length, key length, magic.  It sits
@@ -200,12 +200,12 @@ class DiskStore(KVStore):
     @classmethod
     def from_url(cls, url: str) -> "DiskStore":
         shown = mask_password(url)
-        try:
-            parts = urllib.parse.urlsplit(url)
-        except ValueError as exc:
-            raise StoreOpenError(f"store '{shown}' is malformed: {exc}") from exc
+        parts = split_url(url)
         if parts.scheme.lower() != "disk":
             raise StoreOpenError(f"store '{shown}' is not a disk:// URL")
+        if "@" in parts.netloc:
+            raise StoreOpenError(
+                f"store '{shown}': a disk URL takes no user name or password; write it like disk:///var/cache/ucm")
         if parts.netloc:
             raise StoreOpenError(
                 f"store '{shown}': a disk URL takes an absolute path after three slashes, like "

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import re
 import socket
 import ssl
@@ -69,7 +70,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from .base import Buffer, KVStore, byte_view, StoreOpenError, StoreStats, StoreUnavailableError, check_batch
-from .urls import mask_password, parse_bool, parse_seconds, query_options
+from .urls import mask_password, parse_bool, parse_seconds, query_options, split_url
 
 DEFAULT_NAMESPACE = "ucm"
 DEFAULT_TIMEOUT_S = 2.0
@@ -81,6 +82,7 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _COMMON_OPTIONS = {"namespace", "ttl", "timeout", "max_connections"}
 _SSL_OPTIONS = {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+_MAX_CONNECTIONS = 10000  # Redis's default maxclients
 
 # Values at least this large are sent as their own buffer instead of being
 # joined with the command around them (a copy that costs more than the
@@ -827,10 +829,7 @@ class RedisStore(_RedisStoreBase):
     @classmethod
     def from_url(cls, url: str) -> "RedisStore":
         masked = mask_password(url)
-        try:
-            parts = urllib.parse.urlsplit(url)
-        except ValueError as exc:
-            raise StoreOpenError(f"store '{masked}' is malformed: {exc}") from None
+        parts = split_url(url)
         scheme = parts.scheme.lower()
         if scheme not in ("redis", "rediss", "unix"):
             raise StoreOpenError(f"store '{masked}': RedisStore opens redis://, rediss:// and unix:// URLs")
@@ -988,10 +987,7 @@ class RedisClusterStore(_RedisStoreBase):
     @classmethod
     def from_url(cls, url: str) -> "RedisClusterStore":
         masked = mask_password(url)
-        try:
-            parts = urllib.parse.urlsplit(url)
-        except ValueError as exc:
-            raise StoreOpenError(f"store '{masked}' is malformed: {exc}") from None
+        parts = split_url(url)
         if parts.scheme.lower() != "redis-cluster":
             raise StoreOpenError(f"store '{masked}': RedisClusterStore opens redis-cluster:// URLs")
         netloc, path = parts.netloc, parts.path
@@ -1012,7 +1008,14 @@ class RedisClusterStore(_RedisStoreBase):
             item = item.strip()
             if not item:
                 continue
-            host, port = _host_port(url, urllib.parse.urlsplit("//" + item), default_port=None)
+            try:
+                node = urllib.parse.urlsplit("//" + item)
+            except ValueError:
+                # Only the first node's brackets were checked with the URL.
+                raise StoreOpenError(
+                    f"store '{masked}': the node {item!r} is malformed; write it as host:port or "
+                    f"[IPv6]:port") from None
+            host, port = _host_port(url, node, default_port=None)
             nodes.append(redis_py.cluster.ClusterNode(host, port))
         if not nodes:
             raise StoreOpenError(
@@ -1030,8 +1033,9 @@ class RedisClusterStore(_RedisStoreBase):
             cluster = redis_py.RedisCluster(startup_nodes=nodes, **kwargs)
         except redis_py.exceptions.AuthenticationError:
             raise StoreOpenError(_auth_message(masked, password)) from None
-        except (redis_py.exceptions.RedisError, redis_py.exceptions.RedisClusterException, OSError) as exc:
-            text = _describe(exc)
+        except (redis_py.exceptions.RedisError, redis_py.exceptions.RedisClusterException, OSError,
+                UnicodeError) as exc:
+            text = _describe(exc, password)
             if _is_auth_error(text):
                 raise StoreOpenError(_auth_message(masked, password)) from None
             if "cluster" in text.lower() and "not enabled" in text.lower():
@@ -1221,8 +1225,11 @@ def _common_options(url: str, options: dict[str, str]) -> dict:
     max_connections = None
     if options.get("max_connections"):
         text = options["max_connections"]
-        if not text.isdigit() or int(text) < 1:
-            raise StoreOpenError(f"store '{masked}': max_connections={text!r} must be a whole number >= 1")
+        # redis-py's blocking pool fills a queue with max_connections
+        # slots up front: an absurd bound would take all memory.
+        if not _is_ascii_number(text) or not 1 <= int(text) <= _MAX_CONNECTIONS:
+            raise StoreOpenError(
+                f"store '{masked}': max_connections={text!r} must be a whole number from 1 to {_MAX_CONNECTIONS}")
         max_connections = int(text)
     return {"namespace": namespace, "ttl": ttl, "timeout": timeout, "max_connections": max_connections}
 
@@ -1232,6 +1239,13 @@ def _host_port(url: str, parts: urllib.parse.SplitResult, default_port: int | No
     host = parts.hostname
     if not host:
         raise StoreOpenError(f"store '{masked}' names no host: write it as redis://host:port/db")
+    try:
+        # The resolver's IDNA step raises UnicodeError (not a connection
+        # error) on an empty or over-long label: say so before connecting.
+        host.encode("idna")
+    except UnicodeError:
+        raise StoreOpenError(
+            f"store '{masked}': {host!r} is not a host name (dot-separated labels of 1 to 63 characters)") from None
     try:
         port = parts.port
     except ValueError:
@@ -1246,8 +1260,15 @@ def _host_port(url: str, parts: urllib.parse.SplitResult, default_port: int | No
     return host, port
 
 
+def _is_ascii_number(text: str) -> bool:
+    # str.isdigit also says yes to '²' (which int() refuses) and to other
+    # scripts' digits (which int() reads); a thousand digits is no number
+    # any option takes, and int() refuses 4300.
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def _parse_db(url: str, text: str) -> int:
-    if not text.isdigit():
+    if not _is_ascii_number(text):
         raise StoreOpenError(
             f"store '{mask_password(url)}': the database {text!r} is not a number; "
             f"write redis://host:port/0 (or ?db=0 for unix://)")
@@ -1265,15 +1286,75 @@ def _ssl_kwargs(url: str, options: dict[str, str]) -> dict[str, object]:
         kwargs["ssl_cert_reqs"] = value
     for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
         if name in options:
-            kwargs[name] = options[name]
+            kwargs[name] = _tls_file(url, name, options[name])
+    _load_tls_files(url, kwargs)
     if "ssl_check_hostname" in options:
         kwargs["ssl_check_hostname"] = parse_bool(options["ssl_check_hostname"], url=url,
                                                   name="ssl_check_hostname")
     return kwargs
 
 
-def _describe(exc: BaseException) -> str:
+def _tls_file(url: str, name: str, path: str) -> str:
+    """A TLS file option's path, checked now: redis-py reads the files
+    only once connected, and reports a missing one as a failure to connect
+    (or, with no server there, not at all)."""
+    problem = None
+    if not os.path.exists(path):
+        problem = "no such file"
+    elif not os.path.isfile(path):
+        problem = "not a file"
+    elif not os.access(path, os.R_OK):
+        problem = "not readable by this user"
+    if problem:
+        raise StoreOpenError(
+            f"store '{mask_password(url)}': {name}={path!r}: {problem}"
+            f"; give the path of a PEM file that the user running vLLM can read")
+    return path
+
+
+def _no_passphrase() -> bytes:
+    # Without a callback OpenSSL would prompt on the terminal for the
+    # passphrase of an encrypted key; no option passes one to redis-py.
+    raise StoreOpenError("an encrypted ssl_keyfile is not supported")
+
+
+def _load_tls_files(url: str, kwargs: dict[str, object]) -> None:
+    """Load the CA bundle and the client certificate as redis-py will, so
+    that a file that is not PEM is named now, not reported as a server
+    that cannot be reached."""
+    masked = mask_password(url)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ca = kwargs.get("ssl_ca_certs")
+    if ca:
+        try:
+            context.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise StoreOpenError(
+                f"store '{masked}': ssl_ca_certs={ca!r} holds no PEM certificate that loads "
+                f"({getattr(exc, 'reason', None) or exc})") from None
+    cert, key = kwargs.get("ssl_certfile"), kwargs.get("ssl_keyfile")
+    if key and not cert:
+        raise StoreOpenError(f"store '{masked}': ssl_keyfile is the key of ssl_certfile; give both")
+    if cert:
+        try:
+            context.load_cert_chain(cert, key, password=_no_passphrase)
+        except StoreOpenError:
+            raise StoreOpenError(
+                f"store '{masked}': ssl_keyfile={key or cert!r} is encrypted; give a key without a "
+                f"passphrase") from None
+        except (ssl.SSLError, OSError) as exc:
+            raise StoreOpenError(
+                f"store '{masked}': ssl_certfile={cert!r} (with ssl_keyfile={key!r}) does not load as a PEM "
+                f"certificate and its key ({getattr(exc, 'reason', None) or exc})") from None
+
+
+def _describe(exc: BaseException, password: str | None = None) -> str:
+    """A library's error text, for a message.  None seen quotes the
+    password, but a message must never show it, so it is cut out anyway
+    (short ones would only garble the text: nobody guards with them)."""
     text = str(exc).strip() or type(exc).__name__
+    if password and len(password) >= 4:
+        text = text.replace(password, "***")
     if isinstance(exc, (socket.timeout, redis_py.exceptions.TimeoutError)) and "timed out" not in text:
         text = f"timed out ({text})"
     return text
@@ -1295,24 +1376,25 @@ def _auth_message(masked: str, password: str | None) -> str:
 def _ping(masked: str, client: redis_py.Redis, cleanup: Callable[[], None], where: str) -> None:
     """Open-time check: the server answers, the credentials and the
     database number are accepted."""
+    password = client.connection_pool.connection_kwargs.get("password")
     try:
         client.ping()
         return
     except redis_py.exceptions.AuthenticationError:
-        message = _auth_message(masked, client.connection_pool.connection_kwargs.get("password"))
+        message = _auth_message(masked, password)
     except redis_py.exceptions.ResponseError as exc:
-        text = str(exc)
+        text = _describe(exc, password)
         if _is_auth_error(text):
-            message = _auth_message(masked, client.connection_pool.connection_kwargs.get("password"))
+            message = _auth_message(masked, password)
         elif "DB index" in text:
             message = f"store '{masked}': {text}; the server has fewer databases (see its 'databases' setting)"
         else:
             message = f"store '{masked}': the server refused the connection: {text}"
     except _CONNECTION_ERRORS as exc:
-        message = (f"store '{masked}' unreachable: {_describe(exc)}; start redis-server there or fix "
+        message = (f"store '{masked}' unreachable: {_describe(exc, password)}; start redis-server there or fix "
                    f"{where} in the URL")
     except redis_py.exceptions.RedisError as exc:
-        message = (f"store '{masked}': the server there does not answer like Redis ({_describe(exc)}); "
+        message = (f"store '{masked}': the server there does not answer like Redis ({_describe(exc, password)}); "
                    f"check {where} in the URL")
     cleanup()
     raise StoreOpenError(message)

@@ -16,11 +16,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import threading
-import urllib.parse
 from typing import Callable, Sequence
 
 from .base import KVStore, StoreOpenError
-from .urls import mask_password
+from .urls import mask_password, split_url
 
 ENTRY_POINT_GROUP = "ucm_connector.stores"
 
@@ -96,16 +95,14 @@ def factory_for(scheme: str, url: str = "") -> Callable[[str], KVStore]:
 
 def url_scheme(url: str) -> str:
     if not isinstance(url, str):
-        raise StoreOpenError(f"a store URL must be a string, got {type(url).__name__}: {url!r}")
+        raise StoreOpenError(
+            f"a store URL must be a string, got {type(url).__name__}: {mask_password(repr(url))}")
     scheme, sep, _ = url.partition("://")
     if not sep or not scheme:
         raise StoreOpenError(
             f"store '{mask_password(url)}' is not a URL: write it as scheme://..., "
             f"for example disk:///var/cache/ucm, redis://localhost:6379/0 or shm://ucm")
-    try:
-        urllib.parse.urlsplit(url)
-    except ValueError as exc:
-        raise StoreOpenError(f"store '{mask_password(url)}' is malformed: {exc}") from exc
+    split_url(url)
     return scheme.lower()
 
 

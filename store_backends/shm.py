@@ -44,7 +44,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -52,7 +51,7 @@ import zmq
 
 from . import shm_server as proto
 from .base import Buffer, KVStore, byte_view, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
-from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options
+from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_url
 
 _OPTIONS = {"capacity", "chunk", "server", "idle_timeout", "lease_timeout", "timeout", "overwrite",
             "prefault", "runtime_dir"}
@@ -181,12 +180,12 @@ class ShmStore(KVStore):
     @classmethod
     def from_url(cls, url: str) -> "ShmStore":
         masked = mask_password(url)
-        try:
-            parts = urllib.parse.urlsplit(url)
-        except ValueError as exc:
-            raise StoreOpenError(f"store '{masked}' is malformed: {exc}") from exc
+        parts = split_url(url)
         if parts.scheme.lower() != "shm":
             raise StoreOpenError(f"store '{masked}' is not an shm:// URL")
+        if "@" in parts.netloc:
+            raise StoreOpenError(f"store '{masked}': an shm:// URL takes no user name or password; write it as "
+                                 f"shm://NAME?capacity=4GiB")
         name = parts.netloc
         if parts.path not in ("", "/") or not name:
             raise StoreOpenError(f"store '{masked}': write it as shm://NAME?capacity=4GiB (NAME: letters, "

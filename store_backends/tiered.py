@@ -20,6 +20,7 @@ import threading
 from typing import Iterator, Sequence
 
 from .base import Buffer, KVStore, StoreError, StoreStats, StoreUnavailableError, check_batch
+from .urls import mask_password
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class TieredStore(KVStore):
         self.write_mode = write_mode
         self.promote = promote
         self.max_pending_nbytes = max_pending_nbytes
-        self.url = "[" + ", ".join(s.url for s in self.stores) + "]"
+        # A third-party store may not mask its own URL's password.
+        self.url = "[" + ", ".join(mask_password(s.url) for s in self.stores) + "]"
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         # (tier index, keys, values) batches waiting for the writer thread.

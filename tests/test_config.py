@@ -77,3 +77,46 @@ def test_load_mode_follows_the_two_load_options():
         UCMConfig.from_extra_config({"load_kv_async": "yes"})
     with pytest.raises(UCMConfigError, match="load_kv_async and load_layerwise: choose one"):
         UCMConfig.from_extra_config({"load_kv_async": True, "load_layerwise": True})
+
+
+def test_a_config_file_that_is_not_utf8_is_named_with_the_fix(tmp_path):
+    path = tmp_path / "ucm.yaml"
+    path.write_bytes("store: disk:///tmp/caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(UCMConfigError) as info:
+        UCMConfig.from_extra_config({"config_file": str(path)})
+    message = str(info.value)
+    assert f"config_file {str(path)!r}" in message
+    assert "not UTF-8" in message and "line 1" in message and "save it as UTF-8" in message
+
+
+def test_a_config_file_with_a_utf8_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "ucm.yaml"
+    path.write_bytes(b"\xef\xbb\xbfmin_hit_blocks: 3\n")
+    assert UCMConfig.from_extra_config({"config_file": str(path)}).min_hit_blocks == 3
+
+
+def test_an_oversized_max_pending_save_mib_is_refused_with_the_limit():
+    with pytest.raises(UCMConfigError) as info:
+        UCMConfig.from_extra_config({"max_pending_save_mib": 10**23})
+    assert "max_pending_save_mib" in str(info.value) and "1048576" in str(info.value)
+    assert UCMConfig.from_extra_config({"max_pending_save_mib": 1 << 20}).max_pending_save_mib == 1 << 20
+
+
+def test_ucm_config_check_names_a_config_file_that_is_not_utf8(tmp_path, capsys):
+    from ucm_connector.cli import main
+
+    path = tmp_path / "ucm.yaml"
+    path.write_bytes(b"store: disk:///tmp/x\n# \xff\xfe\n")
+    assert main(["config", "check", "--no-connect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ucm: ") and "not UTF-8" in err and "line 2" in err
+
+
+def test_a_yaml_error_quoting_a_store_url_does_not_show_its_password(tmp_path):
+    path = tmp_path / "ucm.yaml"
+    path.write_text("min_hit_blocks: 2\nstore: redis://:s3cret@127.0.0.1:1/0: x\n")
+    with pytest.raises(UCMConfigError) as info:
+        UCMConfig.from_extra_config({"config_file": str(path)})
+    message = str(info.value)
+    assert "not valid YAML" in message and "line 2" in message and "127.0.0.1:1/0" in message
+    assert "s3cret" not in message

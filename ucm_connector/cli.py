@@ -361,7 +361,7 @@ def cmd_store_stats(args: argparse.Namespace) -> int:
             "damaged": found.damaged.to_dict(),
             "bad_manifests": len(found.bad_manifests),
             "not_ucm": found.foreign.to_dict(),
-            "store": stats.to_dict(),
+            "store": {**stats.to_dict(), "url": mask_password(stats.url)},
         }
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
@@ -640,7 +640,7 @@ def _load_config_argument(text: str) -> tuple[str, dict]:
         try:
             import yaml
 
-            with open(text, encoding="utf-8") as f:
+            with open(text, encoding="utf-8-sig") as f:
                 data = yaml.safe_load(f)
         except Exception:
             data = None  # UCMConfig reads it again and says what is wrong

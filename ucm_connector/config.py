@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from store_backends.registry import url_scheme
 from store_backends.base import StoreOpenError
+from store_backends.urls import mask_password
 
 
 class UCMConfigError(ValueError):
@@ -50,7 +51,8 @@ class Option:
 def _store(name: str, value: Any) -> str | tuple[str, ...]:
     urls = [value] if isinstance(value, str) else value
     if not isinstance(urls, (list, tuple)) or not urls or not all(isinstance(u, str) for u in urls):
-        raise UCMConfigError(f"{name}: expected a store URL or a non-empty list of store URLs, got {value!r}")
+        raise UCMConfigError(f"{name}: expected a store URL or a non-empty list of store URLs, "
+                             f"got {mask_password(repr(value))}")
     for url in urls:
         try:
             url_scheme(url)
@@ -71,6 +73,21 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise UCMConfigError(f"{name}: expected a positive integer, got {value!r}")
     return value
+
+
+def _at_most(limit: int, why: str) -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        value = _positive_int(name, value)
+        if value > limit:
+            raise UCMConfigError(f"{name}: {value} is more than {limit} ({why})")
+        return value
+    return check
+
+
+# Pending saves are host memory, counted in bytes as ``mib << 20``: 1 TiB
+# is more than any host gives a write-behind queue, and keeps that count
+# far inside 64 bits.
+MAX_PENDING_SAVE_MIB = 1 << 20
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -112,8 +129,9 @@ OPTIONS: tuple[Option, ...] = (
            "With tiers: write lower tiers in the background (async) or before a save completes (sync).",
            _choice("async", "sync")),
     Option("max_pending_save_mib", "int", 1024,
-           "Bound on saved KV waiting for the background writer; beyond it saves are skipped and counted.",
-           _positive_int),
+           "Bound on saved KV waiting for the background writer; beyond it saves are skipped and counted. "
+           f"At most {MAX_PENDING_SAVE_MIB} (1 TiB).",
+           _at_most(MAX_PENDING_SAVE_MIB, "1 TiB; the pending saves are held in host memory")),
     Option("min_hit_blocks", "int", 1,
            "Fewest stored leading blocks worth loading; shorter hits are computed instead.",
            _positive_int),
@@ -192,12 +210,25 @@ def _load_yaml(path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as exc:
         raise UCMConfigError(f"config_file {path!r}: cannot be read: {exc.strerror}") from None
+    # Editors on Windows start UTF-8 files with a byte order mark.
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise UCMConfigError(
+            f"config_file {path!r}: not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line}); "
+            f"save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise UCMConfigError(f"config_file {path!r}: not valid YAML: {exc}") from None
+        # YAML quotes the offending line, which may hold a store URL.
+        raise UCMConfigError(f"config_file {path!r}: not valid YAML: {mask_password(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
