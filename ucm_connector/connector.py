@@ -202,7 +202,8 @@ class UCMConnector(KVConnectorBase_V1):
         return None, self._worker.get_finished() if self._worker is not None else None
 
     def get_kv_connector_kv_cache_events(self) -> UCMKVEvents | None:
-        return self._worker.events.take() if self._worker is not None else None
+        outcomes = self._worker.events.take() if self._worker is not None else None
+        return UCMKVEvents(outcomes) if outcomes else None
 
     # -- scheduler side ------------------------------------------------------
 
@@ -242,7 +243,8 @@ class UCMConnector(KVConnectorBase_V1):
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self):
-        return self.stats.take()
+        data = self.stats.take()
+        return UCMStats(data=data) if data else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

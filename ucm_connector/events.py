@@ -24,7 +24,6 @@ stores or KV data.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Sequence
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
@@ -33,7 +32,7 @@ from .hashing import key_digest
 
 MEDIUM = "STORAGE"   # vLLM's name for a medium outside the engine
 
-WRITTEN, PRESENT, NOT_STORED, REMOVED = "written", "present", "not_stored", "removed"
+from .outcomes import NOT_STORED, PRESENT, REMOVED, WRITTEN, OutcomeLog  # noqa: F401  (re-exported)
 
 
 def events_enabled(vllm_config) -> bool:
@@ -66,30 +65,6 @@ class UCMKVEvents(KVConnectorKVEvents):
 
     def clear_events(self) -> None:
         self.outcomes = []
-
-
-class OutcomeLog:
-    """Worker side: outcomes recorded by the engine thread and the background
-    writer, handed over once per step."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._lock = threading.Lock()
-        self._outcomes: list[tuple[str, bytes]] = []
-
-    def add(self, outcome: str, keys: Sequence[bytes]) -> None:
-        if self.enabled and keys:
-            with self._lock:
-                self._outcomes.extend((outcome, key) for key in keys)
-
-    def take(self) -> UCMKVEvents | None:
-        if not self.enabled:
-            return None
-        with self._lock:
-            if not self._outcomes:
-                return None
-            outcomes, self._outcomes = self._outcomes, []
-        return UCMKVEvents(outcomes)
 
 
 @dataclasses.dataclass

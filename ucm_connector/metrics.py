@@ -7,20 +7,9 @@ reported once (``reduce``).  Knows vLLM's ``KVConnectorStats`` shape only.
 
 from __future__ import annotations
 
-import threading
-
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-COUNTERS = (
-    "lookup_tokens",      # prompt tokens looked up in the store (scheduler)
-    "hit_tokens",         # tokens the store supplied (scheduler)
-    "loaded_blocks", "loaded_bytes", "load_seconds",
-    "saved_blocks", "saved_bytes", "save_seconds",
-    "skipped_saves",      # already stored, or the writer's backlog was full
-    "load_errors",        # blocks that failed to load (missing, corrupt, store down)
-    "store_errors",       # store calls that failed
-)
-
+from .counters import COUNTERS, StatsCollector  # noqa: F401  (StatsCollector: re-exported)
 
 class UCMStats(KVConnectorStats):
     def __post_init__(self) -> None:
@@ -45,33 +34,6 @@ class UCMStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(name) for name in COUNTERS)
-
-
-class StatsCollector:
-    """Thread-safe counters, taken (and zeroed) once per step."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data = {name: 0 for name in COUNTERS}
-        self._totals = {name: 0 for name in COUNTERS}
-
-    def add(self, **values: float) -> None:
-        with self._lock:
-            for name, value in values.items():
-                self._data[name] += value
-                self._totals[name] += value
-
-    def take(self) -> UCMStats | None:
-        with self._lock:
-            if not any(self._data.values()):
-                return None
-            data, self._data = self._data, {name: 0 for name in COUNTERS}
-        return UCMStats(data=data)
-
-    def totals(self) -> dict[str, float]:
-        """Counts since start (for tests and the demo)."""
-        with self._lock:
-            return dict(self._totals)
 
 
 # -- Prometheus ------------------------------------------------------------------

@@ -22,31 +22,11 @@ from store_backends import KVStore, StoreError
 from .adapters import AdapterIdentities
 from .events import EventTracker
 from .hashing import BlockHasher, MultiModalSpan, RequestKeys, keys_for_rank
-from .metrics import StatsCollector
+from .counters import StatsCollector
+from .plans import BlockPlan
 
 # Under "vllm." so that vLLM's log handlers and format apply.
 logger = logging.getLogger("vllm.ucm_connector.scheduler")
-
-
-@dataclasses.dataclass
-class BlockPlan:
-    """Blocks of one request to load or save: ``block_ids[i]`` <-> ``keys[i]``
-    (TP rank 0's keys; each worker derives its own rank's).
-
-    Saves only: ``loaded_inputs`` are the blocks this step's computation of
-    the request reads that were loaded from the store in this step or the
-    one before (whose outcome the scheduler may not know yet); if any of
-    them failed to load, the KV computed on top of it is wrong and the
-    worker drops the save.  ``overwrite``: the blocks are saved again after
-    a load failure, so whatever the store holds under their keys is
-    replaced rather than kept.
-    """
-
-    req_id: str
-    block_ids: list[int]
-    keys: list[bytes]
-    loaded_inputs: list[int] = dataclasses.field(default_factory=list)
-    overwrite: bool = False
 
 
 @dataclasses.dataclass

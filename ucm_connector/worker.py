@@ -42,10 +42,10 @@ from store_backends import KVStore, StoreError
 
 from . import blockfmt
 from .config import LoadMode
-from .events import NOT_STORED, PRESENT, REMOVED, WRITTEN, OutcomeLog
+from .counters import StatsCollector
 from .hashing import keys_for_rank
-from .metrics import StatsCollector
-from .scheduler import BlockPlan
+from .outcomes import NOT_STORED, PRESENT, REMOVED, WRITTEN, OutcomeLog
+from .plans import BlockPlan
 from .transfer import BlockTransfer, HostRows, RowPool, Transfer
 
 # Under "vllm." so that vLLM's log handlers and format apply.
