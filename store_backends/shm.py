@@ -30,7 +30,8 @@ URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
 * ``prefault`` (default true): reserve the memory when the server starts and
   map it up front in each client, so that no copy pays page faults and no
   client can hit SIGBUS on a full /dev/shm.
-* ``runtime_dir``: where the control socket and lock files go.
+* ``runtime_dir``: where the control socket and lock files go.  It must be
+  this user's and writable by no one else (``shm_server.check_rundir``).
 """
 
 from __future__ import annotations
@@ -302,19 +303,27 @@ class ShmStore(KVStore):
                                  f"{info.get('protocol')}, this client {proto.PROTOCOL_VERSION}; stop it first")
         return info
 
+    def _refusal(self, msg: str, opening: bool) -> StoreError:
+        if opening:
+            return StoreOpenError(f"store '{self.url}': {msg}")
+        return StoreUnavailableError(f"store '{self.url}' unavailable: {msg}")
+
     def _connect(self, opening: bool = False) -> _Segments:
         with self._lock:
             if self._seg is not None and not self._seg_broken:
                 return self._seg
+            try:
+                # On every (re)connect, never per operation: one stat.
+                self.paths.check_rundir()
+            except proto.UnsafeRuntimeDir as exc:
+                raise self._refusal(str(exc), opening) from None
             self._sock_gen += 1
             info = self._hello()
             if info is None:
                 if self.mode == "connect":
-                    msg = (f"no shm server is running for {self.name!r} (server=connect); start one with "
-                           f"`python -m store_backends.shm_server serve {self.name}` or use server=embedded")
-                    if opening:
-                        raise StoreOpenError(f"store '{self.url}': {msg}")
-                    raise StoreUnavailableError(f"store '{self.url}' unavailable: {msg}")
+                    raise self._refusal(
+                        f"no shm server is running for {self.name!r} (server=connect); start one with "
+                        f"`python -m store_backends.shm_server serve {self.name}` or use server=embedded", opening)
                 self._start_server()
                 self._sock_gen += 1
                 info = self._hello()
@@ -340,7 +349,10 @@ class ShmStore(KVStore):
     def _start_server(self) -> None:
         import fcntl
 
-        self.paths.ensure_rundir()
+        try:
+            self.paths.ensure_rundir()
+        except proto.UnsafeRuntimeDir as exc:
+            raise StoreOpenError(f"store '{self.url}': {exc}") from None
         fd = os.open(self.paths.start_lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             # Reserving the memory takes about a second per GiB on a slow host.

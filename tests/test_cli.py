@@ -519,6 +519,16 @@ def test_shm_status_and_stop(unique_name):
         stop_server(unique_name)
 
 
+@pytest.mark.parametrize("command", [["list"], ["status", "cache"], ["stop", "cache", "--yes"]])
+def test_shm_commands_refuse_a_runtime_dir_others_can_write(tmp_path, command):
+    rundir = tmp_path / "run"
+    rundir.mkdir(mode=0o700)
+    rundir.chmod(0o777)
+    result = ucm("shm", *command, "--runtime-dir", str(rundir))
+    assert result.returncode == 2
+    assert f"the shm runtime directory {rundir}" in result.stderr and "mode 0777" in result.stderr
+
+
 # -- manifests --------------------------------------------------------------------------------------
 
 def test_a_manifest_round_trips_and_is_checked_against_its_digest(tmp_path):

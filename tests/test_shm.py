@@ -497,3 +497,57 @@ def test_threads_share_one_client(shm):
             thread.join(60)
         assert not errors, errors
         assert store.stats().num_put_failures == 0
+
+
+# ---------------------------------------------------------------- trust: the runtime directory
+
+def test_runtime_dir_of_another_user_is_refused_even_for_root(shm):
+    os.chown(shm.rundir, 65534, 65534)
+    with pytest.raises(StoreOpenError) as err:
+        open_store(shm.url(capacity="1MiB"))
+    message = str(err.value)
+    assert shm.rundir in message and "uid 65534" in message and "UCM_SHM_RUNTIME_DIR" in message
+    assert server_processes(shm.name) == [] and os.listdir(shm.rundir) == []
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_runtime_dir_writable_by_group_or_others_is_refused(shm, mode):
+    os.chmod(shm.rundir, mode)
+    with pytest.raises(StoreOpenError) as err:
+        open_store(shm.url(capacity="1MiB"))
+    message = str(err.value)
+    assert shm.rundir in message and f"mode {mode:04o}" in message and f"chmod 700 {shm.rundir}" in message
+    assert server_processes(shm.name) == [] and os.listdir(shm.rundir) == []
+
+
+def test_runtime_dir_reached_through_a_symlink_of_another_user_is_refused(shm):
+    # The link sits in a private directory of its own: the kernel's
+    # protected_symlinks would otherwise stop root from following it in /tmp.
+    link = os.path.join(shm.rundir, "link")
+    target = os.path.join(shm.rundir, "target")
+    os.mkdir(target, 0o700)
+    os.symlink(target, link)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(StoreOpenError) as err:
+        open_store(f"shm://{shm.name}?capacity=1MiB&runtime_dir={link}")
+    assert link in str(err.value) and "uid 65534" in str(err.value)
+    assert os.listdir(target) == []
+
+
+def test_missing_runtime_dir_is_created_private_and_used(shm):
+    rundir = os.path.join(shm.rundir, "new")
+    with open_store(f"shm://{shm.name}?capacity=1MiB&runtime_dir={rundir}") as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+        info = os.stat(rundir)
+        assert (info.st_uid, info.st_mode & 0o7777) == (os.geteuid(), 0o700)
+        assert shm_server.stop_server(shm.name, rundir)
+
+
+def test_server_refuses_to_serve_in_a_runtime_dir_writable_by_others(shm):
+    os.chmod(shm.rundir, 0o777)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    serve = subprocess.run([sys.executable, "-m", "store_backends.shm_server", "serve", shm.name, "--capacity",
+                            "1MiB", "--runtime-dir", shm.rundir, "--detach"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert serve.returncode == 1 and "mode 0777" in serve.stderr
+    assert server_processes(shm.name) == [] and os.listdir(shm.rundir) == []

@@ -842,10 +842,22 @@ def _shm_name(name: str) -> str:
     return name
 
 
-def _running_shm_names(rundir: str | None) -> list[str]:
+def _shm_runtime_dir(rundir: str | None) -> str:
+    """The runtime directory, refused if others could have planted a server
+    in it (the servers' answers are printed and acted on)."""
     from store_backends import shm_server
 
     directory = shm_server.runtime_dir(rundir)
+    try:
+        shm_server.check_rundir(directory)
+    except shm_server.UnsafeRuntimeDir as exc:
+        raise UserError(str(exc)) from None
+    return directory
+
+
+def _running_shm_names(directory: str) -> list[str]:
+    from store_backends import shm_server
+
     try:
         entries = sorted(os.listdir(directory))
     except OSError:
@@ -858,8 +870,8 @@ def _running_shm_names(rundir: str | None) -> list[str]:
 def cmd_shm_list(args: argparse.Namespace) -> int:
     from store_backends import shm_server
 
-    names = _running_shm_names(args.runtime_dir)
-    directory = shm_server.runtime_dir(args.runtime_dir)
+    directory = _shm_runtime_dir(args.runtime_dir)
+    names = _running_shm_names(directory)
     if args.json:
         print(json.dumps({"runtime_dir": directory, "running": names}, indent=2))
         return EXIT_OK
@@ -879,7 +891,7 @@ def cmd_shm_status(args: argparse.Namespace) -> int:
     from store_backends import shm_server
 
     name = _shm_name(args.name)
-    directory = shm_server.runtime_dir(args.runtime_dir)
+    directory = _shm_runtime_dir(args.runtime_dir)
     info = shm_server.server_status(name, directory)
     if info is None:
         running = shm_server.server_running(shm_server.Paths(name, directory))
@@ -910,7 +922,7 @@ def cmd_shm_stop(args: argparse.Namespace) -> int:
     from store_backends import shm_server
 
     name = _shm_name(args.name)
-    directory = shm_server.runtime_dir(args.runtime_dir)
+    directory = _shm_runtime_dir(args.runtime_dir)
     if not shm_server.server_running(shm_server.Paths(name, directory)):
         raise UserError(f"no shm server is running for {name!r} (runtime dir {directory}); nothing to stop")
     info = shm_server.server_status(name, directory)
