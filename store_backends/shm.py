@@ -37,10 +37,12 @@ URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
 from __future__ import annotations
 
 import array
+import errno
 import itertools
 import json
 import mmap
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -76,31 +78,78 @@ class _NoAnswer(Exception):
     pass
 
 
+class _BadServer(Exception):
+    """The server's HELLO names segments a client must not map."""
+
+
+def _map_segment(named: object, expected: str, nbytes: int, *, writable: bool, populate: bool,
+                 server_pid: int, name: str) -> mmap.mmap:
+    """Map the segment file ``expected``, which the server's HELLO must name.
+
+    The client maps what the server names read-write and copies values into
+    it, so a server that could name any file could make a put overwrite it.
+    Only the path the protocol defines for this NAME and epoch is accepted,
+    never through a symlink (/dev/shm is world-writable, so anyone can plant
+    one under that name), and only a regular file of this user at least as
+    large as announced (mmap would refuse a shorter one with a bare
+    ValueError)."""
+    if named != expected:
+        raise _BadServer(f"the shm server (pid {server_pid}) named the segment {named!r}, not {expected!r}"
+                         f" as the protocol defines; refusing to map it. Stop that server (`ucm shm stop {name}`)"
+                         f" and check what runs as it")
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(expected, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _BadServer(f"the shm segment {expected} is a symlink; refusing to map it. Remove it and stop "
+                             f"the server (`ucm shm stop {name}`)") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise _BadServer(f"the shm segment {expected} is not a regular file of uid {os.geteuid()} (owner uid "
+                             f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}); refusing to map it. Remove "
+                             f"it and stop the server (`ucm shm stop {name}`)")
+        if info.st_size < nbytes:
+            raise _BadServer(f"the shm segment {expected} holds {info.st_size} bytes, fewer than the {nbytes} "
+                             f"the shm server (pid {server_pid}) announced; refusing to map it. Stop the server "
+                             f"(`ucm shm stop {name}`)")
+        mm_flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, nbytes, mm_flags, prot)
+    finally:
+        os.close(fd)
+
+
 class _Segments:
     """The mapped segments of one server epoch.  Immutable: an operation
     keeps using the snapshot it started with, also if another thread remaps."""
 
     __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "_maps")
 
-    def __init__(self, info: dict, populate: bool) -> None:
-        self.epoch = int(info["epoch"])
-        self.server_pid = int(info["pid"])
-        self.chunk = int(info["chunk_nbytes"])
-        self.num_chunks = int(info["num_chunks"])
-        data_nbytes = self.chunk * self.num_chunks
-        flags = mmap.MAP_SHARED
-        if populate:
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
-        fd = os.open(info["data_path"], os.O_RDWR)
+    def __init__(self, info: dict, paths: proto.Paths, populate: bool) -> None:
         try:
-            data_mm = mmap.mmap(fd, data_nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        fd = os.open(info["gen_path"], os.O_RDONLY)
+            self.epoch = int(info["epoch"])
+            self.server_pid = int(info["pid"])
+            self.chunk = int(info["chunk_nbytes"])
+            self.num_chunks = int(info["num_chunks"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _BadServer(f"the shm server's HELLO is malformed ({exc!r}); stop it "
+                             f"(`ucm shm stop {paths.name}`)") from None
+        if not (0 < self.epoch < 2**64 and self.chunk > 0 and 0 < self.num_chunks < 2**31):
+            raise _BadServer(f"the shm server's HELLO is malformed (epoch {self.epoch}, chunk {self.chunk}, "
+                             f"{self.num_chunks} chunks); stop it (`ucm shm stop {paths.name}`)")
+        data_mm = _map_segment(info.get("data_path"), paths.segment(self.epoch, "data"),
+                               self.chunk * self.num_chunks, writable=True, populate=populate,
+                               server_pid=self.server_pid, name=paths.name)
         try:
-            gen_mm = mmap.mmap(fd, self.num_chunks * 8, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+            gen_mm = _map_segment(info.get("gen_path"), paths.segment(self.epoch, "gen"), self.num_chunks * 8,
+                                  writable=False, populate=False, server_pid=self.server_pid,
+                                  name=paths.name)
+        except BaseException:
+            data_mm.close()
+            raise
         self._maps = (data_mm, gen_mm)
         self.data = memoryview(data_mm)
         self.gen = np.frombuffer(gen_mm, dtype=np.uint64)
@@ -297,7 +346,12 @@ class ShmStore(KVStore):
             status, _epoch, frames = self._call(proto.OP_HELLO, timeout_s=min(self.timeout_s, _HELLO_TIMEOUT_S))
         except _NoAnswer:
             return None
-        info = json.loads(frames[0])
+        try:
+            info = json.loads(frames[0])
+        except (IndexError, ValueError):
+            info = None
+        if not isinstance(info, dict):
+            raise _BadServer(f"the shm server's HELLO is malformed; stop it (`ucm shm stop {self.name}`)")
         if info.get("protocol") != proto.PROTOCOL_VERSION:
             raise StoreOpenError(f"store '{self.url}': the running shm server speaks protocol "
                                  f"{info.get('protocol')}, this client {proto.PROTOCOL_VERSION}; stop it first")
@@ -318,7 +372,10 @@ class ShmStore(KVStore):
             except proto.UnsafeRuntimeDir as exc:
                 raise self._refusal(str(exc), opening) from None
             self._sock_gen += 1
-            info = self._hello()
+            try:
+                info = self._hello()
+            except _BadServer as exc:
+                raise self._refusal(str(exc), opening) from None
             if info is None:
                 if self.mode == "connect":
                     raise self._refusal(
@@ -334,10 +391,12 @@ class ShmStore(KVStore):
             seg = self._seg
             if seg is None or seg.epoch != int(info["epoch"]):
                 try:
-                    new = _Segments(info, populate=self.prefault)
+                    new = _Segments(info, self.paths, populate=self.prefault)
                 except FileNotFoundError as exc:
                     raise StoreUnavailableError(
                         f"store '{self.url}' unavailable: the server's segment vanished ({exc})") from exc
+                except _BadServer as exc:
+                    raise self._refusal(str(exc), opening) from None
                 if seg is not None:
                     # Other threads may still be copying from it; the GC
                     # unmaps it once they are done.

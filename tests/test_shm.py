@@ -551,3 +551,111 @@ def test_server_refuses_to_serve_in_a_runtime_dir_writable_by_others(shm):
                            capture_output=True, text=True, env=env, timeout=60)
     assert serve.returncode == 1 and "mode 0777" in serve.stderr
     assert server_processes(shm.name) == [] and os.listdir(shm.rundir) == []
+
+
+# ---------------------------------------------------------------- trust: what the server says
+
+# A server that answers every request the way a hostile or broken one could:
+# its HELLO names DATA_PATH and GEN_PATH as the segments, and its ALLOC hands
+# out chunk 0 for every key.
+FAKE_SERVER = """
+    import fcntl, json, os, sys, array
+    import zmq
+    from store_backends import shm_server as proto
+
+    rundir, name, data_path, gen_path = sys.argv[1:5]
+    paths = proto.Paths(name, rundir)
+    lock = os.open(paths.pid_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(paths.endpoint)
+    info = {"protocol": proto.PROTOCOL_VERSION, "name": name, "epoch": 7, "pid": os.getpid(),
+            "chunk_nbytes": 4096, "num_chunks": 4, "data_path": data_path, "gen_path": gen_path,
+            "num_blocks": 0, "nbytes": 0, "capacity_nbytes": 16384}
+    print("ready", flush=True)
+    while True:
+        ident, header, *frames = sock.recv_multipart()
+        op, flags, key_len, rid, epoch, arg = proto.REQUEST.unpack(header)
+        out = []
+        if op in (proto.OP_HELLO, proto.OP_STATS):
+            out = [json.dumps(info).encode()]
+        elif op == proto.OP_ALLOC:
+            keys, _ = proto.unpack_keys(key_len, frames)
+            out = [(1).to_bytes(8, "little"), bytes(len(keys)), array.array("I", [1] * len(keys)).tobytes(),
+                   array.array("i", [0, 1] * len(keys)).tobytes()]
+        sock.send_multipart([ident, proto.REPLY.pack(proto.ST_OK, rid, 7), *out])
+"""
+
+
+@pytest.fixture
+def fake_server(shm):
+    started = []
+
+    def start(data_path: str, gen_path: str):
+        proc = shm.python(FAKE_SERVER, shm.rundir, shm.name, data_path, gen_path, wait=False)
+        started.append(proc)
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def _put_through(url: str) -> str | None:
+    """Open ``url`` and put one value; the open's error, or None."""
+    try:
+        store = open_store(url)
+    except StoreOpenError as exc:
+        return str(exc)
+    try:
+        store.put([b"k"], [b"overwritten!" * 300])
+    finally:
+        store.close()
+    return None
+
+
+def test_segment_path_outside_the_protocol_is_refused_and_nothing_is_written(shm, fake_server, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 2048)
+    gen = tmp_path / "gen"
+    gen.write_bytes(bytes(32))
+    fake_server(str(victim), str(gen))
+    error = _put_through(shm.url(server="connect", timeout=2))
+    assert victim.read_bytes() == b"precious" * 2048
+    assert error is not None and str(victim) in error and "/dev/shm/ucm-shm." in error
+
+
+def test_segment_path_that_is_a_planted_symlink_is_refused_and_nothing_is_written(shm, fake_server, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 2048)
+    paths = shm_server.Paths(shm.name, shm.rundir)
+    data_path, gen_path = paths.segment(7, "data"), paths.segment(7, "gen")
+    os.symlink(victim, data_path)
+    try:
+        with open(gen_path, "wb") as f:
+            f.write(bytes(32))
+        fake_server(data_path, gen_path)
+        error = _put_through(shm.url(server="connect", timeout=2))
+    finally:
+        for path in (data_path, gen_path):
+            os.unlink(path)
+    assert victim.read_bytes() == b"precious" * 2048
+    assert error is not None and data_path in error
+
+
+def test_segment_smaller_than_the_server_says_is_refused(shm, fake_server):
+    # mmap would refuse it with a bare ValueError out of open_store.
+    paths = shm_server.Paths(shm.name, shm.rundir)
+    data_path, gen_path = paths.segment(7, "data"), paths.segment(7, "gen")
+    try:
+        for path, nbytes in ((data_path, 4096), (gen_path, 32)):
+            with open(path, "wb") as f:
+                f.write(bytes(nbytes))
+        fake_server(data_path, gen_path)
+        error = _put_through(shm.url(server="connect", timeout=2))
+    finally:
+        for path in (data_path, gen_path):
+            os.unlink(path)
+    assert error is not None and data_path in error and "holds 4096 bytes" in error
