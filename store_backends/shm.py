@@ -22,8 +22,11 @@ URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
 * ``lease_timeout`` (default 10m): when chunks taken by a live writer that
   never committed them are reclaimed.  Those of a dead writer are reclaimed
   within a second.
-* ``timeout`` (default 5s): the longest an operation waits for the server.
-  A server that died is noticed within about 50 ms.
+* ``timeout`` (default 5s): the longest an operation waits for the server,
+  in all: reconnecting, starting a new server and its requests together (the
+  copies of a put are not waiting, and do not count).  A server that died is
+  noticed within about 50 ms.  Opening the store waits ``timeout`` for an
+  answer, and as long as reserving the memory takes for a server it starts.
 * ``overwrite`` (default false): a put of a key that is already stored keeps
   the stored value (keys are content addresses, so it is the same value) and
   skips the copy; ``true`` replaces it.
@@ -40,6 +43,7 @@ import array
 import errno
 import itertools
 import json
+import math
 import mmap
 import os
 import stat
@@ -61,7 +65,6 @@ _OPTIONS = {"capacity", "chunk", "server", "idle_timeout", "lease_timeout", "tim
             "prefault", "runtime_dir"}
 _POLL_SLICE_MS = 50
 _START_TIMEOUT_S = 60.0
-_HELLO_TIMEOUT_S = 2.0
 
 
 
@@ -220,7 +223,7 @@ class ShmStore(KVStore):
         self._torn_reads = 0
         self._closed = False
         try:
-            self._connect(opening=True)
+            self._connect()
         except StoreOpenError:
             self.close()
             raise
@@ -298,16 +301,20 @@ class ShmStore(KVStore):
             self._sockets = set()
             self._sock_gen += 1
 
-    def _call(self, op: int, frames: Sequence[bytes] = (), *, key_len: int = 0, flags: int = 0,
-              arg: int = 0, epoch: int = 0, timeout_s: float | None = None) -> tuple[int, int, list[bytes]]:
+    def _call(self, op: int, frames: Sequence[bytes] = (), *, deadline: float, key_len: int = 0, flags: int = 0,
+              arg: int = 0, epoch: int = 0) -> tuple[int, int, list[bytes]]:
+        """One request and its answer, waiting until ``deadline`` (monotonic
+        seconds) at most: the deadline of the whole operation, so that its
+        reconnect, its server start and its requests together stay within
+        ``timeout``."""
         sock = self._socket()
         rid = next(self._rids) & 0xFFFFFFFF
         # copy=False: frames above zmq's copy threshold (a large key batch)
         # go out without an extra copy; small ones are copied anyway.
         sock.send_multipart([proto.REQUEST.pack(op, flags, key_len, rid, epoch, arg), *frames], copy=False)
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while True:
-            if sock.poll(_POLL_SLICE_MS):
+            slice_ms = min(_POLL_SLICE_MS, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
+            if sock.poll(slice_ms):
                 reply = sock.recv_multipart()
                 status, reply_rid, reply_epoch = proto.REPLY.unpack(reply[0])
                 if reply_rid != rid:
@@ -319,9 +326,12 @@ class ShmStore(KVStore):
             if not proto.server_running(self.paths):
                 self._invalidate_sockets()
                 raise _NoAnswer("the shm server is not running")
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 self._invalidate_sockets()
-                raise _NoAnswer(f"the shm server did not answer within {timeout_s or self.timeout_s:g}s")
+                raise _NoAnswer(f"the shm server did not answer within the timeout ({self.timeout_s:g}s)")
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
 
     def _invalidate_sockets(self) -> None:
         # A socket with a request in flight would hand its late answer to the
@@ -331,20 +341,29 @@ class ShmStore(KVStore):
             self._seg_broken = True
 
     def _unavailable(self, exc: Exception) -> StoreUnavailableError:
-        hint = ("; the next call starts a new server (its contents are lost)" if self.mode == "embedded"
-                else f"; start one with `python -m store_backends.shm_server serve {self.name}`")
+        if proto.server_running(self.paths):
+            hint = f"; it is running but busy or stopped (`ucm shm status {self.name}`)"
+        elif self.mode == "embedded":
+            hint = "; the next call starts a new server (its contents are lost)"
+        else:
+            hint = f"; start one with `python -m store_backends.shm_server serve {self.name}`"
         return StoreUnavailableError(f"store '{self.url}' unavailable: {exc}{hint}")
 
     # ------------------------------------------------------------ connecting
 
     _seg_broken = False
 
-    def _hello(self) -> dict | None:
+    def _hello(self, deadline: float) -> dict | None:
+        """The server's description of itself; None when no server runs.
+        Raises ``_NoAnswer`` when one runs but does not answer: starting
+        another would not help (it would find the PID lock held)."""
         if not proto.server_running(self.paths):
             return None
         try:
-            status, _epoch, frames = self._call(proto.OP_HELLO, timeout_s=min(self.timeout_s, _HELLO_TIMEOUT_S))
+            status, _epoch, frames = self._call(proto.OP_HELLO, deadline=deadline)
         except _NoAnswer:
+            if proto.server_running(self.paths):
+                raise
             return None
         try:
             info = json.loads(frames[0])
@@ -362,74 +381,99 @@ class ShmStore(KVStore):
             return StoreOpenError(f"store '{self.url}': {msg}")
         return StoreUnavailableError(f"store '{self.url}' unavailable: {msg}")
 
-    def _connect(self, opening: bool = False) -> _Segments:
-        with self._lock:
+    def _connect(self, deadline: float | None = None) -> _Segments:
+        """Say HELLO (starting a server first when none runs and the mode is
+        embedded) and map the server's segments if they are new.  Within the
+        operation's ``deadline``; ``None`` when opening the store, where each
+        wait gets ``timeout`` and starting a server the time reserving its
+        memory takes."""
+        opening = deadline is None
+        if opening:
+            self._lock.acquire()
+        elif not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            # Another thread is reconnecting and has not finished in time.
+            raise self._unavailable(_NoAnswer(f"the shm server did not answer within the timeout "
+                                              f"({self.timeout_s:g}s)"))
+        try:
             if self._seg is not None and not self._seg_broken:
                 return self._seg
-            try:
-                # On every (re)connect, never per operation: one stat.
-                self.paths.check_rundir()
-            except proto.UnsafeRuntimeDir as exc:
-                raise self._refusal(str(exc), opening) from None
-            self._sock_gen += 1
-            try:
-                info = self._hello()
-            except _BadServer as exc:
-                raise self._refusal(str(exc), opening) from None
+            return self._reconnect(deadline)
+        finally:
+            self._lock.release()
+
+    def _reconnect(self, deadline: float | None) -> _Segments:
+        opening = deadline is None
+        try:
+            # On every (re)connect, never per operation: one stat.
+            self.paths.check_rundir()
+        except proto.UnsafeRuntimeDir as exc:
+            raise self._refusal(str(exc), opening) from None
+        self._sock_gen += 1
+        try:
+            info = self._hello(deadline or self._deadline())
             if info is None:
                 if self.mode == "connect":
                     raise self._refusal(
                         f"no shm server is running for {self.name!r} (server=connect); start one with "
                         f"`python -m store_backends.shm_server serve {self.name}` or use server=embedded", opening)
-                self._start_server()
+                self._start_server(deadline)
                 self._sock_gen += 1
-                info = self._hello()
+                info = self._hello(deadline or self._deadline())
                 if info is None:
-                    raise StoreUnavailableError(
-                        f"store '{self.url}' unavailable: the shm server started but does not answer; "
-                        f"see {self.paths.log}")
-            seg = self._seg
-            if seg is None or seg.epoch != int(info["epoch"]):
-                try:
-                    new = _Segments(info, self.paths, populate=self.prefault)
-                except FileNotFoundError as exc:
-                    raise StoreUnavailableError(
-                        f"store '{self.url}' unavailable: the server's segment vanished ({exc})") from exc
-                except _BadServer as exc:
-                    raise self._refusal(str(exc), opening) from None
-                if seg is not None:
-                    # Other threads may still be copying from it; the GC
-                    # unmaps it once they are done.
-                    self._old_segs = [s for s in self._old_segs[-3:]] + [seg]
-                self._seg = new
-            self._seg_broken = False
-            return self._seg
+                    raise self._refusal(f"the shm server started but does not answer; see {self.paths.log}",
+                                        opening)
+        except _NoAnswer as exc:
+            raise self._refusal(f"the shm server of {self.name!r} is running but does not answer ({exc}): it "
+                                f"is busy or stopped; `ucm shm status {self.name}` tells, `ucm shm stop "
+                                f"{self.name}` ends it", opening) from None
+        except _BadServer as exc:
+            raise self._refusal(str(exc), opening) from None
+        seg = self._seg
+        if seg is None or seg.epoch != int(info["epoch"]):
+            try:
+                new = _Segments(info, self.paths, populate=self.prefault)
+            except FileNotFoundError as exc:
+                raise StoreUnavailableError(
+                    f"store '{self.url}' unavailable: the server's segment vanished ({exc})") from exc
+            except _BadServer as exc:
+                raise self._refusal(str(exc), opening) from None
+            if seg is not None:
+                # Other threads may still be copying from it; the GC
+                # unmaps it once they are done.
+                self._old_segs = [s for s in self._old_segs[-3:]] + [seg]
+            self._seg = new
+        self._seg_broken = False
+        return self._seg
 
-    def _start_server(self) -> None:
+    def _start_server(self, deadline: float | None) -> None:
+        """Start a detached server and wait until it is ready, or until the
+        operation's ``deadline``; when opening (``None``), as long as
+        reserving the memory may take.  A server still starting when the
+        deadline passes goes on starting, and a later call finds it."""
         import fcntl
 
         try:
             self.paths.ensure_rundir()
         except proto.UnsafeRuntimeDir as exc:
             raise StoreOpenError(f"store '{self.url}': {exc}") from None
+        if deadline is None:
+            # Reserving the memory takes about a second per GiB on a slow host.
+            deadline = time.monotonic() + _START_TIMEOUT_S + 5.0 * self.capacity_nbytes / (1 << 30)
         fd = os.open(self.paths.start_lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            # Reserving the memory takes about a second per GiB on a slow host.
-            start_timeout_s = _START_TIMEOUT_S + 5.0 * self.capacity_nbytes / (1 << 30)
-            deadline = time.monotonic() + start_timeout_s
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() >= deadline:
                         raise StoreUnavailableError(
-                            f"store '{self.url}' unavailable: another process has been starting the shm "
-                            f"server for over {start_timeout_s:g}s ({self.paths.start_lock})")
+                            f"store '{self.url}' unavailable: another process is starting the shm server "
+                            f"and has not finished in time ({self.paths.start_lock})")
                     time.sleep(0.01)
             if proto.server_running(self.paths):
                 return  # started by whoever held the lock before us
-            cmd = [sys.executable, "-m", "store_backends.shm_server", "serve", self.name,
+            cmd = [sys.executable, "-m", "store_backends.shm_server", "serve",
                    "--capacity", str(self.capacity_nbytes), "--chunk", str(self.chunk_nbytes),
                    "--lease-timeout", repr(float(self.lease_timeout_s)),
                    "--runtime-dir", self.paths.rundir, "--detach"]
@@ -437,40 +481,46 @@ class ShmStore(KVStore):
                 cmd += ["--idle-timeout", repr(float(self.idle_timeout_s))]
             if not self.prefault:
                 cmd.append("--no-prefault")
+            cmd.append(self.name)
             env = dict(os.environ)
             package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+            wait_s = max(0.001, deadline - time.monotonic())
             try:
                 done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True, env=env, cwd="/",
-                                      timeout=start_timeout_s)
+                                      timeout=wait_s)
             except subprocess.TimeoutExpired as exc:
                 raise StoreUnavailableError(f"store '{self.url}' unavailable: the shm server did not get "
-                                            f"ready within {start_timeout_s:.0f}s") from exc
+                                            f"ready within {wait_s:.1f}s; see {self.paths.log}") from exc
             if done.returncode not in (0, proto.EXIT_ALREADY_RUNNING):
                 detail = done.stderr.decode(errors="replace").strip() or f"exit status {done.returncode}"
                 raise StoreOpenError(f"store '{self.url}': could not start the shm server: {detail}")
         finally:
             os.close(fd)  # releases the lock
 
-    def _segments(self) -> _Segments:
+    def _segments(self, deadline: float) -> _Segments:
         seg = self._seg
         if seg is None or self._seg_broken or self._closed:
             if self._closed:
                 raise StoreUnavailableError(f"store '{self.url}' is closed")
-            seg = self._connect()
+            seg = self._connect(deadline)
         return seg
 
     def _request(self, op: int, frames: Sequence[bytes] = (), *, key_len: int = 0, flags: int = 0,
-                 arg: int = 0, bound: bool = True) -> tuple[_Segments, int, list[bytes]]:
-        """One request; for ops that name chunks (``bound``), the request
-        carries the epoch of our mapping and is retried once after a remap
-        when the server is a newer one."""
+                 arg: int = 0, bound: bool = True, deadline: float | None = None
+                 ) -> tuple[_Segments, int, list[bytes]]:
+        """One request, within ``deadline`` (default: ``timeout`` from now)
+        including any reconnect; for ops that name chunks (``bound``), the
+        request carries the epoch of our mapping and is retried after a
+        remap when the server is a newer one."""
+        if deadline is None:
+            deadline = self._deadline()
         for _attempt in range(3):
-            seg = self._segments()
+            seg = self._segments(deadline)
             try:
-                status, epoch, out = self._call(op, frames, key_len=key_len, flags=flags, arg=arg,
-                                                epoch=seg.epoch if bound else 0)
+                status, epoch, out = self._call(op, frames, deadline=deadline, key_len=key_len, flags=flags,
+                                                arg=arg, epoch=seg.epoch if bound else 0)
             except _NoAnswer as exc:
                 raise self._unavailable(exc) from None
             if status == proto.ST_STALE or (bound and epoch != seg.epoch):
@@ -491,9 +541,12 @@ class ShmStore(KVStore):
         key_len, key_frames = proto.pack_keys(keys)
         sizes = array.array("q", [s.nbytes for s in srcs])
         flags = proto.FLAG_OVERWRITE if self.overwrite else 0
+        # One deadline for the waits of both requests; the copy between them
+        # is not waiting on the server, so it extends the deadline.
+        deadline = self._deadline()
         try:
             seg, _status, out = self._request(proto.OP_ALLOC, [*key_frames, sizes.tobytes()], key_len=key_len,
-                                              flags=flags, arg=os.getpid())
+                                              flags=flags, arg=os.getpid(), deadline=deadline)
         except StoreUnavailableError:
             # put never raises into the hot path for a medium that is gone;
             # the next call reconnects (or restarts the server).
@@ -508,6 +561,7 @@ class ShmStore(KVStore):
         if not lease_id:
             return result
         pos = 0
+        copy_started = time.monotonic()
         try:
             for i, st in enumerate(status):
                 if st != proto.ALLOC_NEW:
@@ -528,12 +582,14 @@ class ShmStore(KVStore):
                 pos = end
         except BaseException:
             try:
-                self._call(proto.OP_ABORT, arg=lease_id, epoch=seg.epoch)
+                self._call(proto.OP_ABORT, arg=lease_id, epoch=seg.epoch,
+                           deadline=deadline + time.monotonic() - copy_started)
             except (_NoAnswer, StoreError):
                 pass  # the sweep reclaims the lease once this process is gone
             raise
+        deadline += time.monotonic() - copy_started
         try:
-            _seg, commit_status, _ = self._request(proto.OP_COMMIT, arg=lease_id)
+            _seg, commit_status, _ = self._request(proto.OP_COMMIT, arg=lease_id, deadline=deadline)
         except StoreUnavailableError:
             return [r for r in result]
         if commit_status == proto.ST_OK:

@@ -734,6 +734,8 @@ def _report(fd: int, text: str) -> None:
         return
     try:
         os.write(fd, text.encode() + b"\n")
+    except BrokenPipeError:
+        pass  # the starter stopped waiting (its operation's timeout); serve anyway, a later call finds us
     finally:
         os.close(fd)
 
@@ -776,8 +778,8 @@ def stop_server(name: str, rundir: str | None = None, timeout_s: float = 10.0) -
     paths = Paths(name, rundir)
     if not server_running(paths):
         return False
+    deadline = time.monotonic() + timeout_s  # for the request and the exit together
     request(paths, OP_SHUTDOWN, timeout_s=min(timeout_s, 2.0))
-    deadline = time.monotonic() + timeout_s
     while server_running(paths):
         if time.monotonic() > deadline:
             raise TimeoutError(f"the shm server of {name!r} did not exit within {timeout_s:g}s")

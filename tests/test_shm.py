@@ -659,3 +659,77 @@ def test_segment_smaller_than_the_server_says_is_refused(shm, fake_server):
         for path in (data_path, gen_path):
             os.unlink(path)
     assert error is not None and data_path in error and "holds 4096 bytes" in error
+
+
+# ---------------------------------------------------------------- timeouts
+
+def test_each_operation_on_a_stopped_server_gives_up_within_its_timeout(shm):
+    with open_store(shm.url(capacity="1MiB", timeout="2")) as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+        pid = store.stats().extra["server_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert store.put([b"k2"], [b"v"]) == [False]
+            took = {"put": time.monotonic() - started}
+            for op, call in (("contains", lambda: store.contains([b"k"])), ("stats", store.stats),
+                             ("get", lambda: store.get([b"k"])), ("put again", lambda: store.put([b"k3"], [b"v"]))):
+                started = time.monotonic()
+                try:
+                    result = call()
+                except StoreUnavailableError:
+                    result = None
+                took[op] = time.monotonic() - started
+                assert result in (None, [False]), op
+            assert all(t < 2.0 + 0.7 for t in took.values()), took
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Once the server runs again, so does the store (no restart: same pid).
+        assert store.put([b"k4"], [b"v"]) == [True]
+        assert store.get([b"k", b"k4"]) == [b"v", b"v"]
+        assert store.stats().extra["server_pid"] == pid
+
+
+def test_opening_a_store_whose_server_is_stopped_gives_up_within_its_timeout(shm):
+    with open_store(shm.url(capacity="1MiB")) as store:
+        pid = store.stats().extra["server_pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreOpenError, match="does not answer"):
+            open_store(shm.url(timeout="2"))
+        assert time.monotonic() - started < 2.0 + 0.7
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_an_operation_waiting_on_another_process_starting_the_server_gives_up_within_its_timeout(shm):
+    import fcntl
+
+    with open_store(shm.url(capacity="1MiB", timeout="1")) as store:
+        assert shm_server.stop_server(shm.name, shm.rundir)
+        assert store.put([b"k"], [b"v"]) == [False]  # notices the server is gone
+        # Another process is starting a server and is slow about it.
+        lock = os.open(shm_server.Paths(shm.name, shm.rundir).start_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="another process is starting"):
+                store.contains([b"k"])
+            assert time.monotonic() - started < 1.0 + 0.7
+        finally:
+            os.close(lock)
+        assert store.put([b"k"], [b"v"]) == [True]
+
+
+def test_stopping_a_server_that_does_not_answer_gives_up_within_its_timeout(shm):
+    with open_store(shm.url(capacity="1MiB")) as store:
+        pid = store.stats().extra["server_pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not exit within 1s"):
+            shm_server.stop_server(shm.name, shm.rundir, timeout_s=1)
+        assert time.monotonic() - started < 1.0 + 0.5
+    finally:
+        os.kill(pid, signal.SIGCONT)
