@@ -86,7 +86,7 @@ class _BadServer(Exception):
 
 
 def _map_segment(named: object, expected: str, nbytes: int, *, writable: bool, populate: bool,
-                 server_pid: int, name: str) -> mmap.mmap:
+                 server_pid: int, name_arg: str) -> mmap.mmap:
     """Map the segment file ``expected``, which the server's HELLO must name.
 
     The client maps what the server names read-write and copies values into
@@ -98,7 +98,7 @@ def _map_segment(named: object, expected: str, nbytes: int, *, writable: bool, p
     ValueError)."""
     if named != expected:
         raise _BadServer(f"the shm server (pid {server_pid}) named the segment {named!r}, not {expected!r}"
-                         f" as the protocol defines; refusing to map it. Stop that server (`ucm shm stop {name}`)"
+                         f" as the protocol defines; refusing to map it. Stop that server (`ucm shm stop {name_arg}`)"
                          f" and check what runs as it")
     flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -106,18 +106,18 @@ def _map_segment(named: object, expected: str, nbytes: int, *, writable: bool, p
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _BadServer(f"the shm segment {expected} is a symlink; refusing to map it. Remove it and stop "
-                             f"the server (`ucm shm stop {name}`)") from None
+                             f"the server (`ucm shm stop {name_arg}`)") from None
         raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             raise _BadServer(f"the shm segment {expected} is not a regular file of uid {os.geteuid()} (owner uid "
                              f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}); refusing to map it. Remove "
-                             f"it and stop the server (`ucm shm stop {name}`)")
+                             f"it and stop the server (`ucm shm stop {name_arg}`)")
         if info.st_size < nbytes:
             raise _BadServer(f"the shm segment {expected} holds {info.st_size} bytes, fewer than the {nbytes} "
                              f"the shm server (pid {server_pid}) announced; refusing to map it. Stop the server "
-                             f"(`ucm shm stop {name}`)")
+                             f"(`ucm shm stop {name_arg}`)")
         mm_flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         return mmap.mmap(fd, nbytes, mm_flags, prot)
@@ -139,17 +139,17 @@ class _Segments:
             self.num_chunks = int(info["num_chunks"])
         except (KeyError, TypeError, ValueError) as exc:
             raise _BadServer(f"the shm server's HELLO is malformed ({exc!r}); stop it "
-                             f"(`ucm shm stop {paths.name}`)") from None
+                             f"(`ucm shm stop {proto.name_arg(paths.name)}`)") from None
         if not (0 < self.epoch < 2**64 and self.chunk > 0 and 0 < self.num_chunks < 2**31):
             raise _BadServer(f"the shm server's HELLO is malformed (epoch {self.epoch}, chunk {self.chunk}, "
-                             f"{self.num_chunks} chunks); stop it (`ucm shm stop {paths.name}`)")
+                             f"{self.num_chunks} chunks); stop it (`ucm shm stop {proto.name_arg(paths.name)}`)")
         data_mm = _map_segment(info.get("data_path"), paths.segment(self.epoch, "data"),
                                self.chunk * self.num_chunks, writable=True, populate=populate,
-                               server_pid=self.server_pid, name=paths.name)
+                               server_pid=self.server_pid, name_arg=proto.name_arg(paths.name))
         try:
             gen_mm = _map_segment(info.get("gen_path"), paths.segment(self.epoch, "gen"), self.num_chunks * 8,
                                   writable=False, populate=False, server_pid=self.server_pid,
-                                  name=paths.name)
+                                  name_arg=proto.name_arg(paths.name))
         except BaseException:
             data_mm.close()
             raise
@@ -197,6 +197,7 @@ class ShmStore(KVStore):
         if timeout_s <= 0:
             raise StoreOpenError(f"store '{self.url}': timeout must be positive")
         self.name = name
+        self._name_arg = proto.name_arg(name)  # as shown in commands to run
         self.capacity_nbytes = capacity_nbytes
         self.chunk_nbytes = chunk_nbytes
         self.mode = server
@@ -342,11 +343,11 @@ class ShmStore(KVStore):
 
     def _unavailable(self, exc: Exception) -> StoreUnavailableError:
         if proto.server_running(self.paths):
-            hint = f"; it is running but busy or stopped (`ucm shm status {self.name}`)"
+            hint = f"; it is running but busy or stopped (`ucm shm status {self._name_arg}`)"
         elif self.mode == "embedded":
             hint = "; the next call starts a new server (its contents are lost)"
         else:
-            hint = f"; start one with `python -m store_backends.shm_server serve {self.name}`"
+            hint = f"; start one with `python -m store_backends.shm_server serve {self._name_arg}`"
         return StoreUnavailableError(f"store '{self.url}' unavailable: {exc}{hint}")
 
     # ------------------------------------------------------------ connecting
@@ -370,7 +371,7 @@ class ShmStore(KVStore):
         except (IndexError, ValueError):
             info = None
         if not isinstance(info, dict):
-            raise _BadServer(f"the shm server's HELLO is malformed; stop it (`ucm shm stop {self.name}`)")
+            raise _BadServer(f"the shm server's HELLO is malformed; stop it (`ucm shm stop {self._name_arg}`)")
         if info.get("protocol") != proto.PROTOCOL_VERSION:
             raise StoreOpenError(f"store '{self.url}': the running shm server speaks protocol "
                                  f"{info.get('protocol')}, this client {proto.PROTOCOL_VERSION}; stop it first")
@@ -414,8 +415,8 @@ class ShmStore(KVStore):
             if info is None:
                 if self.mode == "connect":
                     raise self._refusal(
-                        f"no shm server is running for {self.name!r} (server=connect); start one with "
-                        f"`python -m store_backends.shm_server serve {self.name}` or use server=embedded", opening)
+                        f"no shm server is running for {self.name!r} (server=connect); start one with `python -m "
+                        f"store_backends.shm_server serve {self._name_arg}` or use server=embedded", opening)
                 self._start_server(deadline)
                 self._sock_gen += 1
                 info = self._hello(deadline or self._deadline())
@@ -424,8 +425,8 @@ class ShmStore(KVStore):
                                         opening)
         except _NoAnswer as exc:
             raise self._refusal(f"the shm server of {self.name!r} is running but does not answer ({exc}): it "
-                                f"is busy or stopped; `ucm shm status {self.name}` tells, `ucm shm stop "
-                                f"{self.name}` ends it", opening) from None
+                                f"is busy or stopped; `ucm shm status {self._name_arg}` tells, `ucm shm "
+                                f"stop {self._name_arg}` ends it", opening) from None
         except _BadServer as exc:
             raise self._refusal(str(exc), opening) from None
         seg = self._seg
@@ -481,7 +482,8 @@ class ShmStore(KVStore):
                 cmd += ["--idle-timeout", repr(float(self.idle_timeout_s))]
             if not self.prefault:
                 cmd.append("--no-prefault")
-            cmd.append(self.name)
+            # After "--": a NAME may start with '-' and must not read as an option.
+            cmd += ["--", self.name]
             env = dict(os.environ)
             package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -744,7 +746,7 @@ class ShmStore(KVStore):
                 raise
             raise StoreError(
                 f"store '{self.url}': the running shm server predates key listing; restart it to use "
-                f"this (`ucm shm stop {self.name}`; its blocks are dropped)") from None
+                f"this (`ucm shm stop {self._name_arg}`; its blocks are dropped)") from None
         key_len = int.from_bytes(out[0], "little", signed=True)
         keys, _ = proto.unpack_keys(key_len, out[1:])
         for start in range(0, len(keys), batch):

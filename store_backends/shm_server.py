@@ -120,6 +120,12 @@ def valid_name(name: str) -> bool:
     return bool(NAME_RE.match(name)) and name.strip(".") != ""
 
 
+def name_arg(name: str) -> str:
+    """NAME as the argument of a command line shown to the user: after
+    ``--`` when it starts with '-', so that it does not read as an option."""
+    return f"-- {name}" if name.startswith("-") else name
+
+
 def runtime_dir(override: str | None = None) -> str:
     if override:
         return override

@@ -733,3 +733,21 @@ def test_stopping_a_server_that_does_not_answer_gives_up_within_its_timeout(shm)
         assert time.monotonic() - started < 1.0 + 0.5
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+# ---------------------------------------------------------------- names that start with '-'
+
+def test_a_name_starting_with_a_dash_works_end_to_end(shm):
+    shm.name = "-" + shm.name
+    with open_store(shm.url(capacity="1MiB")) as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+    with open_store(shm.url(server="connect")) as store:
+        assert store.get([b"k"]) == [b"v"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "store_backends.shm_server"]
+    status = subprocess.run(cmd + ["status", "--runtime-dir", shm.rundir, "--", shm.name],
+                            capture_output=True, text=True, env=env, timeout=30)
+    assert status.returncode == 0 and '"num_blocks": 1' in status.stdout
+    stop = subprocess.run(cmd + ["stop", "--runtime-dir", shm.rundir, "--", shm.name],
+                          capture_output=True, text=True, env=env, timeout=30)
+    assert stop.returncode == 0 and server_processes(shm.name) == [] and shm.leftovers() == []
