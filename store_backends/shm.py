@@ -211,7 +211,11 @@ class ShmStore(KVStore):
             raise StoreOpenError(
                 f"store '{self.url}': the control socket path {self.paths.socket!r} is too long for a "
                 f"unix socket; use a shorter name or runtime_dir")
+        # _lock guards this object's state and is only ever held briefly;
+        # _connect_lock makes one thread at a time (re)connect, which waits
+        # on the server, so that other threads can wait for it with a timeout.
         self._lock = threading.RLock()
+        self._connect_lock = threading.Lock()
         self._tls = _ThreadSocket()
         self._sockets: set = set()
         self._sock_gen = 0
@@ -301,6 +305,8 @@ class ShmStore(KVStore):
             self._ctx = zmq.Context()
             self._sockets = set()
             self._sock_gen += 1
+            # A thread of the parent may have been reconnecting at the fork.
+            self._connect_lock = threading.Lock()
 
     def _call(self, op: int, frames: Sequence[bytes] = (), *, deadline: float, key_len: int = 0, flags: int = 0,
               arg: int = 0, epoch: int = 0) -> tuple[int, int, list[bytes]]:
@@ -390,17 +396,16 @@ class ShmStore(KVStore):
         memory takes."""
         opening = deadline is None
         if opening:
-            self._lock.acquire()
-        elif not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            # Another thread is reconnecting and has not finished in time.
-            raise self._unavailable(_NoAnswer(f"the shm server did not answer within the timeout "
-                                              f"({self.timeout_s:g}s)"))
+            self._connect_lock.acquire()
+        elif not self._connect_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self._unavailable(_NoAnswer(f"another thread's reconnect to the shm server did not finish "
+                                              f"within the timeout ({self.timeout_s:g}s)"))
         try:
             if self._seg is not None and not self._seg_broken:
-                return self._seg
+                return self._seg  # another thread reconnected meanwhile
             return self._reconnect(deadline)
         finally:
-            self._lock.release()
+            self._connect_lock.release()
 
     def _reconnect(self, deadline: float | None) -> _Segments:
         opening = deadline is None
@@ -409,7 +414,7 @@ class ShmStore(KVStore):
             self.paths.check_rundir()
         except proto.UnsafeRuntimeDir as exc:
             raise self._refusal(str(exc), opening) from None
-        self._sock_gen += 1
+        self._new_sockets()
         try:
             info = self._hello(deadline or self._deadline())
             if info is None:
@@ -418,7 +423,7 @@ class ShmStore(KVStore):
                         f"no shm server is running for {self.name!r} (server=connect); start one with `python -m "
                         f"store_backends.shm_server serve {self._name_arg}` or use server=embedded", opening)
                 self._start_server(deadline)
-                self._sock_gen += 1
+                self._new_sockets()
                 info = self._hello(deadline or self._deadline())
                 if info is None:
                     raise self._refusal(f"the shm server started but does not answer; see {self.paths.log}",
@@ -430,7 +435,8 @@ class ShmStore(KVStore):
         except _BadServer as exc:
             raise self._refusal(str(exc), opening) from None
         seg = self._seg
-        if seg is None or seg.epoch != int(info["epoch"]):
+        new = None
+        if seg is None or seg.epoch != info.get("epoch"):
             try:
                 new = _Segments(info, self.paths, populate=self.prefault)
             except FileNotFoundError as exc:
@@ -438,13 +444,23 @@ class ShmStore(KVStore):
                     f"store '{self.url}' unavailable: the server's segment vanished ({exc})") from exc
             except _BadServer as exc:
                 raise self._refusal(str(exc), opening) from None
-            if seg is not None:
-                # Other threads may still be copying from it; the GC
-                # unmaps it once they are done.
-                self._old_segs = [s for s in self._old_segs[-3:]] + [seg]
-            self._seg = new
-        self._seg_broken = False
-        return self._seg
+        with self._lock:
+            if self._closed:
+                if new is not None:
+                    new.release()
+                raise StoreUnavailableError(f"store '{self.url}' is closed")
+            if new is not None:
+                if seg is not None:
+                    # Other threads may still be copying from it; the GC
+                    # unmaps it once they are done.
+                    self._old_segs = [s for s in self._old_segs[-3:]] + [seg]
+                self._seg = new
+            self._seg_broken = False
+            return self._seg
+
+    def _new_sockets(self) -> None:
+        with self._lock:
+            self._sock_gen += 1
 
     def _start_server(self, deadline: float | None) -> None:
         """Start a detached server and wait until it is ready, or until the

@@ -690,6 +690,39 @@ def test_each_operation_on_a_stopped_server_gives_up_within_its_timeout(shm):
         assert store.stats().extra["server_pid"] == pid
 
 
+def test_threads_waiting_on_another_threads_reconnect_give_up_within_their_timeout(shm):
+    import threading
+
+    with open_store(shm.url(capacity="1MiB", timeout="1.5")) as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+        pid = store.stats().extra["server_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert store.put([b"k2"], [b"v"]) == [False]  # the store now has to reconnect
+            took = {}
+
+            def get(i: int) -> None:
+                started = time.monotonic()
+                try:
+                    store.get([b"k"])
+                except StoreUnavailableError:
+                    pass
+                took[i] = time.monotonic() - started
+
+            # Staggered, so that the later ones start while the first one is
+            # reconnecting.
+            threads = [threading.Thread(target=get, args=(i,)) for i in range(3)]
+            for thread in threads:
+                thread.start()
+                time.sleep(0.3)
+            for thread in threads:
+                thread.join(30)
+            assert len(took) == 3 and all(t < 1.5 + 0.6 for t in took.values()), took
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert store.get([b"k"]) == [b"v"]
+
+
 def test_opening_a_store_whose_server_is_stopped_gives_up_within_its_timeout(shm):
     with open_store(shm.url(capacity="1MiB")) as store:
         pid = store.stats().extra["server_pid"]
