@@ -22,24 +22,31 @@ URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
 * ``lease_timeout`` (default 10m): when chunks taken by a live writer that
   never committed them are reclaimed.  Those of a dead writer are reclaimed
   within a second.
-* ``timeout`` (default 5s): the longest an operation waits for the server.
-  A server that died is noticed within about 50 ms.
+* ``timeout`` (default 5s): the longest an operation waits for the server,
+  in all: reconnecting, starting a new server and its requests together (the
+  copies of a put are not waiting, and do not count).  A server that died is
+  noticed within about 50 ms.  Opening the store waits ``timeout`` for an
+  answer, and as long as reserving the memory takes for a server it starts.
 * ``overwrite`` (default false): a put of a key that is already stored keeps
   the stored value (keys are content addresses, so it is the same value) and
   skips the copy; ``true`` replaces it.
 * ``prefault`` (default true): reserve the memory when the server starts and
   map it up front in each client, so that no copy pays page faults and no
   client can hit SIGBUS on a full /dev/shm.
-* ``runtime_dir``: where the control socket and lock files go.
+* ``runtime_dir``: where the control socket and lock files go.  It must be
+  this user's and writable by no one else (``shm_server.check_rundir``).
 """
 
 from __future__ import annotations
 
 import array
+import errno
 import itertools
 import json
+import math
 import mmap
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -57,7 +64,6 @@ _OPTIONS = {"capacity", "chunk", "server", "idle_timeout", "lease_timeout", "tim
             "prefault", "runtime_dir"}
 _POLL_SLICE_MS = 50
 _START_TIMEOUT_S = 60.0
-_HELLO_TIMEOUT_S = 2.0
 
 
 
@@ -74,31 +80,78 @@ class _NoAnswer(Exception):
     pass
 
 
+class _BadServer(Exception):
+    """The server's HELLO names segments a client must not map."""
+
+
+def _map_segment(named: object, expected: str, nbytes: int, *, writable: bool, populate: bool,
+                 server_pid: int, name_arg: str) -> mmap.mmap:
+    """Map the segment file ``expected``, which the server's HELLO must name.
+
+    The client maps what the server names read-write and copies values into
+    it, so a server that could name any file could make a put overwrite it.
+    Only the path the protocol defines for this NAME and epoch is accepted,
+    never through a symlink (/dev/shm is world-writable, so anyone can plant
+    one under that name), and only a regular file of this user at least as
+    large as announced (mmap would refuse a shorter one with a bare
+    ValueError)."""
+    if named != expected:
+        raise _BadServer(f"the shm server (pid {server_pid}) named the segment {named!r}, not {expected!r}"
+                         f" as the protocol defines; refusing to map it. Stop that server (`ucm shm stop {name_arg}`)"
+                         f" and check what runs as it")
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(expected, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _BadServer(f"the shm segment {expected} is a symlink; refusing to map it. Remove it and stop "
+                             f"the server (`ucm shm stop {name_arg}`)") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise _BadServer(f"the shm segment {expected} is not a regular file of uid {os.geteuid()} (owner uid "
+                             f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}); refusing to map it. Remove "
+                             f"it and stop the server (`ucm shm stop {name_arg}`)")
+        if info.st_size < nbytes:
+            raise _BadServer(f"the shm segment {expected} holds {info.st_size} bytes, fewer than the {nbytes} "
+                             f"the shm server (pid {server_pid}) announced; refusing to map it. Stop the server "
+                             f"(`ucm shm stop {name_arg}`)")
+        mm_flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, nbytes, mm_flags, prot)
+    finally:
+        os.close(fd)
+
+
 class _Segments:
     """The mapped segments of one server epoch.  Immutable: an operation
     keeps using the snapshot it started with, also if another thread remaps."""
 
     __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "_maps")
 
-    def __init__(self, info: dict, populate: bool) -> None:
-        self.epoch = int(info["epoch"])
-        self.server_pid = int(info["pid"])
-        self.chunk = int(info["chunk_nbytes"])
-        self.num_chunks = int(info["num_chunks"])
-        data_nbytes = self.chunk * self.num_chunks
-        flags = mmap.MAP_SHARED
-        if populate:
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
-        fd = os.open(info["data_path"], os.O_RDWR)
+    def __init__(self, info: dict, paths: proto.Paths, populate: bool) -> None:
         try:
-            data_mm = mmap.mmap(fd, data_nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        fd = os.open(info["gen_path"], os.O_RDONLY)
+            self.epoch = int(info["epoch"])
+            self.server_pid = int(info["pid"])
+            self.chunk = int(info["chunk_nbytes"])
+            self.num_chunks = int(info["num_chunks"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _BadServer(f"the shm server's HELLO is malformed ({exc!r}); stop it "
+                             f"(`ucm shm stop {proto.name_arg(paths.name)}`)") from None
+        if not (0 < self.epoch < 2**64 and self.chunk > 0 and 0 < self.num_chunks < 2**31):
+            raise _BadServer(f"the shm server's HELLO is malformed (epoch {self.epoch}, chunk {self.chunk}, "
+                             f"{self.num_chunks} chunks); stop it (`ucm shm stop {proto.name_arg(paths.name)}`)")
+        data_mm = _map_segment(info.get("data_path"), paths.segment(self.epoch, "data"),
+                               self.chunk * self.num_chunks, writable=True, populate=populate,
+                               server_pid=self.server_pid, name_arg=proto.name_arg(paths.name))
         try:
-            gen_mm = mmap.mmap(fd, self.num_chunks * 8, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+            gen_mm = _map_segment(info.get("gen_path"), paths.segment(self.epoch, "gen"), self.num_chunks * 8,
+                                  writable=False, populate=False, server_pid=self.server_pid,
+                                  name_arg=proto.name_arg(paths.name))
+        except BaseException:
+            data_mm.close()
+            raise
         self._maps = (data_mm, gen_mm)
         self.data = memoryview(data_mm)
         self.gen = np.frombuffer(gen_mm, dtype=np.uint64)
@@ -143,6 +196,7 @@ class ShmStore(KVStore):
         if timeout_s <= 0:
             raise StoreOpenError(f"store '{self.url}': timeout must be positive")
         self.name = name
+        self._name_arg = proto.name_arg(name)  # as shown in commands to run
         self.capacity_nbytes = capacity_nbytes
         self.chunk_nbytes = chunk_nbytes
         self.mode = server
@@ -156,7 +210,11 @@ class ShmStore(KVStore):
             raise StoreOpenError(
                 f"store '{self.url}': the control socket path {self.paths.socket!r} is too long for a "
                 f"unix socket; use a shorter name or runtime_dir")
+        # _lock guards this object's state and is only ever held briefly;
+        # _connect_lock makes one thread at a time (re)connect, which waits
+        # on the server, so that other threads can wait for it with a timeout.
         self._lock = threading.RLock()
+        self._connect_lock = threading.Lock()
         self._tls = _ThreadSocket()
         self._sockets: set = set()
         self._sock_gen = 0
@@ -169,7 +227,7 @@ class ShmStore(KVStore):
         self._torn_reads = 0
         self._closed = False
         try:
-            self._connect(opening=True)
+            self._connect()
         except StoreOpenError:
             self.close()
             raise
@@ -246,17 +304,23 @@ class ShmStore(KVStore):
             self._ctx = zmq.Context()
             self._sockets = set()
             self._sock_gen += 1
+            # A thread of the parent may have been reconnecting at the fork.
+            self._connect_lock = threading.Lock()
 
-    def _call(self, op: int, frames: Sequence[bytes] = (), *, key_len: int = 0, flags: int = 0,
-              arg: int = 0, epoch: int = 0, timeout_s: float | None = None) -> tuple[int, int, list[bytes]]:
+    def _call(self, op: int, frames: Sequence[bytes] = (), *, deadline: float, key_len: int = 0, flags: int = 0,
+              arg: int = 0, epoch: int = 0) -> tuple[int, int, list[bytes]]:
+        """One request and its answer, waiting until ``deadline`` (monotonic
+        seconds) at most: the deadline of the whole operation, so that its
+        reconnect, its server start and its requests together stay within
+        ``timeout``."""
         sock = self._socket()
         rid = next(self._rids) & 0xFFFFFFFF
         # copy=False: frames above zmq's copy threshold (a large key batch)
         # go out without an extra copy; small ones are copied anyway.
         sock.send_multipart([proto.REQUEST.pack(op, flags, key_len, rid, epoch, arg), *frames], copy=False)
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while True:
-            if sock.poll(_POLL_SLICE_MS):
+            slice_ms = min(_POLL_SLICE_MS, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
+            if sock.poll(slice_ms):
                 reply = sock.recv_multipart()
                 status, reply_rid, reply_epoch = proto.REPLY.unpack(reply[0])
                 if reply_rid != rid:
@@ -268,9 +332,12 @@ class ShmStore(KVStore):
             if not proto.server_running(self.paths):
                 self._invalidate_sockets()
                 raise _NoAnswer("the shm server is not running")
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 self._invalidate_sockets()
-                raise _NoAnswer(f"the shm server did not answer within {timeout_s or self.timeout_s:g}s")
+                raise _NoAnswer(f"the shm server did not answer within the timeout ({self.timeout_s:g}s)")
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
 
     def _invalidate_sockets(self) -> None:
         # A socket with a request in flight would hand its late answer to the
@@ -280,54 +347,108 @@ class ShmStore(KVStore):
             self._seg_broken = True
 
     def _unavailable(self, exc: Exception) -> StoreUnavailableError:
-        hint = ("; the next call starts a new server (its contents are lost)" if self.mode == "embedded"
-                else f"; start one with `python -m store_backends.shm_server serve {self.name}`")
+        if proto.server_running(self.paths):
+            hint = f"; it is running but busy or stopped (`ucm shm status {self._name_arg}`)"
+        elif self.mode == "embedded":
+            hint = "; the next call starts a new server (its contents are lost)"
+        else:
+            hint = f"; start one with `python -m store_backends.shm_server serve {self._name_arg}`"
         return StoreUnavailableError(f"store '{self.url}' unavailable: {exc}{hint}")
 
     # ------------------------------------------------------------ connecting
 
     _seg_broken = False
 
-    def _hello(self) -> dict | None:
+    def _hello(self, deadline: float) -> dict | None:
+        """The server's description of itself; None when no server runs.
+        Raises ``_NoAnswer`` when one runs but does not answer: starting
+        another would not help (it would find the PID lock held)."""
         if not proto.server_running(self.paths):
             return None
         try:
-            status, _epoch, frames = self._call(proto.OP_HELLO, timeout_s=min(self.timeout_s, _HELLO_TIMEOUT_S))
+            status, _epoch, frames = self._call(proto.OP_HELLO, deadline=deadline)
         except _NoAnswer:
+            if proto.server_running(self.paths):
+                raise
             return None
-        info = json.loads(frames[0])
+        try:
+            info = json.loads(frames[0])
+        except (IndexError, ValueError):
+            info = None
+        if not isinstance(info, dict):
+            raise _BadServer(f"the shm server's HELLO is malformed; stop it (`ucm shm stop {self._name_arg}`)")
         if info.get("protocol") != proto.PROTOCOL_VERSION:
             raise StoreOpenError(f"store '{self.url}': the running shm server speaks protocol "
                                  f"{info.get('protocol')}, this client {proto.PROTOCOL_VERSION}; stop it first")
         return info
 
-    def _connect(self, opening: bool = False) -> _Segments:
-        with self._lock:
+    def _refusal(self, msg: str, opening: bool) -> StoreError:
+        if opening:
+            return StoreOpenError(f"store '{self.url}': {msg}")
+        return StoreUnavailableError(f"store '{self.url}' unavailable: {msg}")
+
+    def _connect(self, deadline: float | None = None) -> _Segments:
+        """Say HELLO (starting a server first when none runs and the mode is
+        embedded) and map the server's segments if they are new.  Within the
+        operation's ``deadline``; ``None`` when opening the store, where each
+        wait gets ``timeout`` and starting a server the time reserving its
+        memory takes."""
+        opening = deadline is None
+        if opening:
+            self._connect_lock.acquire()
+        elif not self._connect_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self._unavailable(_NoAnswer(f"another thread's reconnect to the shm server did not finish "
+                                              f"within the timeout ({self.timeout_s:g}s)"))
+        try:
             if self._seg is not None and not self._seg_broken:
-                return self._seg
-            self._sock_gen += 1
-            info = self._hello()
+                return self._seg  # another thread reconnected meanwhile
+            return self._reconnect(deadline)
+        finally:
+            self._connect_lock.release()
+
+    def _reconnect(self, deadline: float | None) -> _Segments:
+        opening = deadline is None
+        try:
+            # On every (re)connect, never per operation: one stat.
+            self.paths.check_rundir()
+        except proto.UnsafeRuntimeDir as exc:
+            raise self._refusal(str(exc), opening) from None
+        self._new_sockets()
+        try:
+            info = self._hello(deadline or self._deadline())
             if info is None:
                 if self.mode == "connect":
-                    msg = (f"no shm server is running for {self.name!r} (server=connect); start one with "
-                           f"`python -m store_backends.shm_server serve {self.name}` or use server=embedded")
-                    if opening:
-                        raise StoreOpenError(f"store '{self.url}': {msg}")
-                    raise StoreUnavailableError(f"store '{self.url}' unavailable: {msg}")
-                self._start_server()
-                self._sock_gen += 1
-                info = self._hello()
+                    raise self._refusal(
+                        f"no shm server is running for {self.name!r} (server=connect); start one with `python -m "
+                        f"store_backends.shm_server serve {self._name_arg}` or use server=embedded", opening)
+                self._start_server(deadline)
+                self._new_sockets()
+                info = self._hello(deadline or self._deadline())
                 if info is None:
-                    raise StoreUnavailableError(
-                        f"store '{self.url}' unavailable: the shm server started but does not answer; "
-                        f"see {self.paths.log}")
-            seg = self._seg
-            if seg is None or seg.epoch != int(info["epoch"]):
-                try:
-                    new = _Segments(info, populate=self.prefault)
-                except FileNotFoundError as exc:
-                    raise StoreUnavailableError(
-                        f"store '{self.url}' unavailable: the server's segment vanished ({exc})") from exc
+                    raise self._refusal(f"the shm server started but does not answer; see {self.paths.log}",
+                                        opening)
+        except _NoAnswer as exc:
+            raise self._refusal(f"the shm server of {self.name!r} is running but does not answer ({exc}): it "
+                                f"is busy or stopped; `ucm shm status {self._name_arg}` tells, `ucm shm "
+                                f"stop {self._name_arg}` ends it", opening) from None
+        except _BadServer as exc:
+            raise self._refusal(str(exc), opening) from None
+        seg = self._seg
+        new = None
+        if seg is None or seg.epoch != info.get("epoch"):
+            try:
+                new = _Segments(info, self.paths, populate=self.prefault)
+            except FileNotFoundError as exc:
+                raise StoreUnavailableError(
+                    f"store '{self.url}' unavailable: the server's segment vanished ({exc})") from exc
+            except _BadServer as exc:
+                raise self._refusal(str(exc), opening) from None
+        with self._lock:
+            if self._closed:
+                if new is not None:
+                    new.release()
+                raise StoreUnavailableError(f"store '{self.url}' is closed")
+            if new is not None:
                 if seg is not None:
                     # Other threads may still be copying from it; the GC
                     # unmaps it once they are done.
@@ -336,28 +457,39 @@ class ShmStore(KVStore):
             self._seg_broken = False
             return self._seg
 
-    def _start_server(self) -> None:
+    def _new_sockets(self) -> None:
+        with self._lock:
+            self._sock_gen += 1
+
+    def _start_server(self, deadline: float | None) -> None:
+        """Start a detached server and wait until it is ready, or until the
+        operation's ``deadline``; when opening (``None``), as long as
+        reserving the memory may take.  A server still starting when the
+        deadline passes goes on starting, and a later call finds it."""
         import fcntl
 
-        self.paths.ensure_rundir()
+        try:
+            self.paths.ensure_rundir()
+        except proto.UnsafeRuntimeDir as exc:
+            raise StoreOpenError(f"store '{self.url}': {exc}") from None
+        if deadline is None:
+            # Reserving the memory takes about a second per GiB on a slow host.
+            deadline = time.monotonic() + _START_TIMEOUT_S + 5.0 * self.capacity_nbytes / (1 << 30)
         fd = os.open(self.paths.start_lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            # Reserving the memory takes about a second per GiB on a slow host.
-            start_timeout_s = _START_TIMEOUT_S + 5.0 * self.capacity_nbytes / (1 << 30)
-            deadline = time.monotonic() + start_timeout_s
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() >= deadline:
                         raise StoreUnavailableError(
-                            f"store '{self.url}' unavailable: another process has been starting the shm "
-                            f"server for over {start_timeout_s:g}s ({self.paths.start_lock})")
+                            f"store '{self.url}' unavailable: another process is starting the shm server "
+                            f"and has not finished in time ({self.paths.start_lock})")
                     time.sleep(0.01)
             if proto.server_running(self.paths):
                 return  # started by whoever held the lock before us
-            cmd = [sys.executable, "-m", "store_backends.shm_server", "serve", self.name,
+            cmd = [sys.executable, "-m", "store_backends.shm_server", "serve",
                    "--capacity", str(self.capacity_nbytes), "--chunk", str(self.chunk_nbytes),
                    "--lease-timeout", repr(float(self.lease_timeout_s)),
                    "--runtime-dir", self.paths.rundir, "--detach"]
@@ -365,40 +497,47 @@ class ShmStore(KVStore):
                 cmd += ["--idle-timeout", repr(float(self.idle_timeout_s))]
             if not self.prefault:
                 cmd.append("--no-prefault")
+            # After "--": a NAME may start with '-' and must not read as an option.
+            cmd += ["--", self.name]
             env = dict(os.environ)
             package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+            wait_s = max(0.001, deadline - time.monotonic())
             try:
                 done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, start_new_session=True, env=env, cwd="/",
-                                      timeout=start_timeout_s)
+                                      timeout=wait_s)
             except subprocess.TimeoutExpired as exc:
                 raise StoreUnavailableError(f"store '{self.url}' unavailable: the shm server did not get "
-                                            f"ready within {start_timeout_s:.0f}s") from exc
+                                            f"ready within {wait_s:.1f}s; see {self.paths.log}") from exc
             if done.returncode not in (0, proto.EXIT_ALREADY_RUNNING):
                 detail = done.stderr.decode(errors="replace").strip() or f"exit status {done.returncode}"
                 raise StoreOpenError(f"store '{self.url}': could not start the shm server: {detail}")
         finally:
             os.close(fd)  # releases the lock
 
-    def _segments(self) -> _Segments:
+    def _segments(self, deadline: float) -> _Segments:
         seg = self._seg
         if seg is None or self._seg_broken or self._closed:
             if self._closed:
                 raise StoreUnavailableError(f"store '{self.url}' is closed")
-            seg = self._connect()
+            seg = self._connect(deadline)
         return seg
 
     def _request(self, op: int, frames: Sequence[bytes] = (), *, key_len: int = 0, flags: int = 0,
-                 arg: int = 0, bound: bool = True) -> tuple[_Segments, int, list[bytes]]:
-        """One request; for ops that name chunks (``bound``), the request
-        carries the epoch of our mapping and is retried once after a remap
-        when the server is a newer one."""
+                 arg: int = 0, bound: bool = True, deadline: float | None = None
+                 ) -> tuple[_Segments, int, list[bytes]]:
+        """One request, within ``deadline`` (default: ``timeout`` from now)
+        including any reconnect; for ops that name chunks (``bound``), the
+        request carries the epoch of our mapping and is retried after a
+        remap when the server is a newer one."""
+        if deadline is None:
+            deadline = self._deadline()
         for _attempt in range(3):
-            seg = self._segments()
+            seg = self._segments(deadline)
             try:
-                status, epoch, out = self._call(op, frames, key_len=key_len, flags=flags, arg=arg,
-                                                epoch=seg.epoch if bound else 0)
+                status, epoch, out = self._call(op, frames, deadline=deadline, key_len=key_len, flags=flags,
+                                                arg=arg, epoch=seg.epoch if bound else 0)
             except _NoAnswer as exc:
                 raise self._unavailable(exc) from None
             if status == proto.ST_STALE or (bound and epoch != seg.epoch):
@@ -419,9 +558,12 @@ class ShmStore(KVStore):
         key_len, key_frames = proto.pack_keys(keys)
         sizes = array.array("q", [s.nbytes for s in srcs])
         flags = proto.FLAG_OVERWRITE if self.overwrite else 0
+        # One deadline for the waits of both requests; the copy between them
+        # is not waiting on the server, so it extends the deadline.
+        deadline = self._deadline()
         try:
             seg, _status, out = self._request(proto.OP_ALLOC, [*key_frames, sizes.tobytes()], key_len=key_len,
-                                              flags=flags, arg=os.getpid())
+                                              flags=flags, arg=os.getpid(), deadline=deadline)
         except StoreUnavailableError:
             # put never raises into the hot path for a medium that is gone;
             # the next call reconnects (or restarts the server).
@@ -436,6 +578,7 @@ class ShmStore(KVStore):
         if not lease_id:
             return result
         pos = 0
+        copy_started = time.monotonic()
         try:
             for i, st in enumerate(status):
                 if st != proto.ALLOC_NEW:
@@ -456,12 +599,14 @@ class ShmStore(KVStore):
                 pos = end
         except BaseException:
             try:
-                self._call(proto.OP_ABORT, arg=lease_id, epoch=seg.epoch)
+                self._call(proto.OP_ABORT, arg=lease_id, epoch=seg.epoch,
+                           deadline=deadline + time.monotonic() - copy_started)
             except (_NoAnswer, StoreError):
                 pass  # the sweep reclaims the lease once this process is gone
             raise
+        deadline += time.monotonic() - copy_started
         try:
-            _seg, commit_status, _ = self._request(proto.OP_COMMIT, arg=lease_id)
+            _seg, commit_status, _ = self._request(proto.OP_COMMIT, arg=lease_id, deadline=deadline)
         except StoreUnavailableError:
             return [r for r in result]
         if commit_status == proto.ST_OK:
@@ -616,7 +761,7 @@ class ShmStore(KVStore):
                 raise
             raise StoreError(
                 f"store '{self.url}': the running shm server predates key listing; restart it to use "
-                f"this (`ucm shm stop {self.name}`; its blocks are dropped)") from None
+                f"this (`ucm shm stop {self._name_arg}`; its blocks are dropped)") from None
         key_len = int.from_bytes(out[0], "little", signed=True)
         keys, _ = proto.unpack_keys(key_len, out[1:])
         for start in range(0, len(keys), batch):

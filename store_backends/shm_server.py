@@ -30,7 +30,9 @@ Files, for a store NAME:
 * ``RUNDIR/NAME.log``: the server's stderr.
 
 RUNDIR is ``$UCM_SHM_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/ucm-shm``, else
-``/tmp/ucm-shm-UID``.
+``/tmp/ucm-shm-UID``.  It must belong to the user the server and its clients
+run as and be writable by no one else (``check_rundir``): whoever can create
+``NAME.sock`` there can stand in for the server.
 
 Wire format (all integers little-endian).  A request is a multipart message:
 frame 0 is the header ``REQUEST`` = op u8, flags u8, key_len u16, request_id
@@ -56,7 +58,9 @@ import json
 import os
 import re
 import secrets
+import shlex
 import signal
+import stat
 import struct
 import sys
 import time
@@ -116,6 +120,12 @@ def valid_name(name: str) -> bool:
     return bool(NAME_RE.match(name)) and name.strip(".") != ""
 
 
+def name_arg(name: str) -> str:
+    """NAME as the argument of a command line shown to the user: after
+    ``--`` when it starts with '-', so that it does not read as an option."""
+    return f"-- {name}" if name.startswith("-") else name
+
+
 def runtime_dir(override: str | None = None) -> str:
     if override:
         return override
@@ -126,6 +136,51 @@ def runtime_dir(override: str | None = None) -> str:
     if xdg and os.path.isdir(xdg):
         return os.path.join(xdg, "ucm-shm")
     return f"/tmp/ucm-shm-{os.getuid()}"
+
+
+class UnsafeRuntimeDir(Exception):
+    """The runtime directory is one that another user could write in."""
+
+
+def check_rundir(path: str) -> None:
+    """Raise ``UnsafeRuntimeDir`` unless ``path`` is a directory of this
+    process's user (effective uid) that group and others cannot write in.
+
+    Whoever can create files there can bind a socket of their own as
+    ``NAME.sock``, and a client trusts that socket's answers: which chunks to
+    write, and (if the client did not check) which files to map.  A
+    directory someone planted in /tmp before us, or one left world-writable,
+    is therefore refused, also for root: root writes wherever a fake server
+    points it.  A missing directory is fine; ``ensure_rundir`` creates it
+    private.  A symlink is followed only if it belongs to us or to root,
+    since its owner could point it elsewhere at any time.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    euid = os.geteuid()
+    instead = ("or set UCM_SHM_RUNTIME_DIR (or runtime_dir= in the shm:// URL) to a directory of your own "
+               "with mode 0700, the same for every process of the cache")
+    if stat.S_ISLNK(info.st_mode):
+        if info.st_uid not in (euid, 0):
+            raise UnsafeRuntimeDir(
+                f"the shm runtime directory {path} is a symlink that belongs to uid {info.st_uid}, "
+                f"not to this process's uid {euid}, who could point it elsewhere; remove it, {instead}")
+        info = os.stat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeRuntimeDir(f"the shm runtime directory {path} is not a directory; remove it, {instead}")
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != euid:
+        raise UnsafeRuntimeDir(
+            f"the shm runtime directory {path} belongs to uid {info.st_uid} (mode {mode:04o})"
+            f", not to this process's uid {euid}; its owner could plant a fake shm server there. "
+            f"Remove it if it is stale (`rm -r {shlex.quote(path)}`), {instead}")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeRuntimeDir(
+            f"the shm runtime directory {path} (owner uid {info.st_uid}) has mode {mode:04o}"
+            f": group or others can write in it and plant a fake shm server. "
+            f"Make it private (`chmod 700 {shlex.quote(path)}`), {instead}")
 
 
 class Paths:
@@ -141,8 +196,14 @@ class Paths:
         self.start_lock = base + ".start"
         self.log = base + ".log"
 
+    def check_rundir(self) -> None:
+        check_rundir(self.rundir)
+
     def ensure_rundir(self) -> None:
+        """Create the runtime directory (private) if missing, and refuse one
+        that is not safe to use (``check_rundir``)."""
         os.makedirs(self.rundir, mode=0o700, exist_ok=True)
+        check_rundir(self.rundir)
 
     def segment(self, epoch: int, kind: str) -> str:
         return os.path.join(SEGMENT_DIR, f"ucm-shm.{self.name}.{epoch:016x}.{kind}")
@@ -679,6 +740,8 @@ def _report(fd: int, text: str) -> None:
         return
     try:
         os.write(fd, text.encode() + b"\n")
+    except BrokenPipeError:
+        pass  # the starter stopped waiting (its operation's timeout); serve anyway, a later call finds us
     finally:
         os.close(fd)
 
@@ -686,9 +749,12 @@ def _report(fd: int, text: str) -> None:
 # ---------------------------------------------------------------- operator helpers
 
 def request(paths: Paths, op: int, timeout_s: float = 2.0) -> tuple[int, list[bytes]] | None:
-    """One epoch-free request to the server of NAME; None if none answers."""
+    """One epoch-free request to the server of NAME; None if none answers.
+    Raises ``UnsafeRuntimeDir`` rather than talk to a socket anyone could
+    have put there."""
     if not server_running(paths) or not os.path.exists(paths.socket):
         return None
+    paths.check_rundir()
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -718,8 +784,8 @@ def stop_server(name: str, rundir: str | None = None, timeout_s: float = 10.0) -
     paths = Paths(name, rundir)
     if not server_running(paths):
         return False
+    deadline = time.monotonic() + timeout_s  # for the request and the exit together
     request(paths, OP_SHUTDOWN, timeout_s=min(timeout_s, 2.0))
-    deadline = time.monotonic() + timeout_s
     while server_running(paths):
         if time.monotonic() > deadline:
             raise TimeoutError(f"the shm server of {name!r} did not exit within {timeout_s:g}s")
@@ -789,6 +855,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not valid_name(args.name):
         parser.error(f"NAME {args.name!r} may hold only letters, digits, '-', '_' and '.'")
+    try:
+        if args.command == "serve":
+            # Before detaching, so that the starter sees the refusal.
+            Paths(args.name, args.runtime_dir).ensure_rundir()
+        else:
+            Paths(args.name, args.runtime_dir).check_rundir()
+    except UnsafeRuntimeDir as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.command == "stop":
         stopped = stop_server(args.name, args.runtime_dir)
         print("stopped" if stopped else f"no shm server is running for {args.name!r}")

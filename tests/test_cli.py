@@ -531,6 +531,39 @@ def test_shm_status_and_stop(unique_name):
         stop_server(unique_name)
 
 
+def test_shm_names_starting_with_a_dash_are_names_not_options(unique_name):
+    name = "-" + unique_name
+    with open_store(f"shm://{name}?capacity=8MiB") as store:
+        keys, values = blocks(NS_A, 2, 1000, seed=10)
+        store.put(keys, values)
+    try:
+        status = ucm("shm", "status", name, "--json")
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["num_blocks"] == 2
+        assert ucm("shm", "status", "--", name).returncode == 0
+        assert f"shm://{name} " in ucm("shm", "list").stdout
+        stopped = ucm("shm", "stop", name, "--yes")
+        assert stopped.returncode == 0, stopped.stderr
+        assert not server_running(Paths(name))
+    finally:
+        stop_server(name)
+
+
+def test_shm_status_still_rejects_an_unknown_option_that_is_not_a_name():
+    result = ucm("shm", "status", "cache", "--colour")
+    assert result.returncode == 2 and "unrecognized arguments: --colour" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["list"], ["status", "cache"], ["stop", "cache", "--yes"]])
+def test_shm_commands_refuse_a_runtime_dir_others_can_write(tmp_path, command):
+    rundir = tmp_path / "run"
+    rundir.mkdir(mode=0o700)
+    rundir.chmod(0o777)
+    result = ucm("shm", *command, "--runtime-dir", str(rundir))
+    assert result.returncode == 2
+    assert f"the shm runtime directory {rundir}" in result.stderr and "mode 0777" in result.stderr
+
+
 # -- manifests --------------------------------------------------------------------------------------
 
 def test_a_manifest_round_trips_and_is_checked_against_its_digest(tmp_path):

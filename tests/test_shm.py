@@ -497,3 +497,290 @@ def test_threads_share_one_client(shm):
             thread.join(60)
         assert not errors, errors
         assert store.stats().num_put_failures == 0
+
+
+# ---------------------------------------------------------------- trust: the runtime directory
+
+def test_runtime_dir_of_another_user_is_refused_even_for_root(shm):
+    os.chown(shm.rundir, 65534, 65534)
+    with pytest.raises(StoreOpenError) as err:
+        open_store(shm.url(capacity="1MiB"))
+    message = str(err.value)
+    assert shm.rundir in message and "uid 65534" in message and "UCM_SHM_RUNTIME_DIR" in message
+    assert server_processes(shm.name) == [] and os.listdir(shm.rundir) == []
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_runtime_dir_writable_by_group_or_others_is_refused(shm, mode):
+    os.chmod(shm.rundir, mode)
+    with pytest.raises(StoreOpenError) as err:
+        open_store(shm.url(capacity="1MiB"))
+    message = str(err.value)
+    assert shm.rundir in message and f"mode {mode:04o}" in message and f"chmod 700 {shm.rundir}" in message
+    assert server_processes(shm.name) == [] and os.listdir(shm.rundir) == []
+
+
+def test_runtime_dir_reached_through_a_symlink_of_another_user_is_refused(shm):
+    # The link sits in a private directory of its own: the kernel's
+    # protected_symlinks would otherwise stop root from following it in /tmp.
+    link = os.path.join(shm.rundir, "link")
+    target = os.path.join(shm.rundir, "target")
+    os.mkdir(target, 0o700)
+    os.symlink(target, link)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(StoreOpenError) as err:
+        open_store(f"shm://{shm.name}?capacity=1MiB&runtime_dir={link}")
+    assert link in str(err.value) and "uid 65534" in str(err.value)
+    assert os.listdir(target) == []
+
+
+def test_missing_runtime_dir_is_created_private_and_used(shm):
+    rundir = os.path.join(shm.rundir, "new")
+    with open_store(f"shm://{shm.name}?capacity=1MiB&runtime_dir={rundir}") as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+        info = os.stat(rundir)
+        assert (info.st_uid, info.st_mode & 0o7777) == (os.geteuid(), 0o700)
+        assert shm_server.stop_server(shm.name, rundir)
+
+
+def test_server_refuses_to_serve_in_a_runtime_dir_writable_by_others(shm):
+    os.chmod(shm.rundir, 0o777)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    serve = subprocess.run([sys.executable, "-m", "store_backends.shm_server", "serve", shm.name, "--capacity",
+                            "1MiB", "--runtime-dir", shm.rundir, "--detach"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert serve.returncode == 1 and "mode 0777" in serve.stderr
+    assert server_processes(shm.name) == [] and os.listdir(shm.rundir) == []
+
+
+# ---------------------------------------------------------------- trust: what the server says
+
+# A server that answers every request the way a hostile or broken one could:
+# its HELLO names DATA_PATH and GEN_PATH as the segments, and its ALLOC hands
+# out chunk 0 for every key.
+FAKE_SERVER = """
+    import fcntl, json, os, sys, array
+    import zmq
+    from store_backends import shm_server as proto
+
+    rundir, name, data_path, gen_path = sys.argv[1:5]
+    paths = proto.Paths(name, rundir)
+    lock = os.open(paths.pid_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(paths.endpoint)
+    info = {"protocol": proto.PROTOCOL_VERSION, "name": name, "epoch": 7, "pid": os.getpid(),
+            "chunk_nbytes": 4096, "num_chunks": 4, "data_path": data_path, "gen_path": gen_path,
+            "num_blocks": 0, "nbytes": 0, "capacity_nbytes": 16384}
+    print("ready", flush=True)
+    while True:
+        ident, header, *frames = sock.recv_multipart()
+        op, flags, key_len, rid, epoch, arg = proto.REQUEST.unpack(header)
+        out = []
+        if op in (proto.OP_HELLO, proto.OP_STATS):
+            out = [json.dumps(info).encode()]
+        elif op == proto.OP_ALLOC:
+            keys, _ = proto.unpack_keys(key_len, frames)
+            out = [(1).to_bytes(8, "little"), bytes(len(keys)), array.array("I", [1] * len(keys)).tobytes(),
+                   array.array("i", [0, 1] * len(keys)).tobytes()]
+        sock.send_multipart([ident, proto.REPLY.pack(proto.ST_OK, rid, 7), *out])
+"""
+
+
+@pytest.fixture
+def fake_server(shm):
+    started = []
+
+    def start(data_path: str, gen_path: str):
+        proc = shm.python(FAKE_SERVER, shm.rundir, shm.name, data_path, gen_path, wait=False)
+        started.append(proc)
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def _put_through(url: str) -> str | None:
+    """Open ``url`` and put one value; the open's error, or None."""
+    try:
+        store = open_store(url)
+    except StoreOpenError as exc:
+        return str(exc)
+    try:
+        store.put([b"k"], [b"overwritten!" * 300])
+    finally:
+        store.close()
+    return None
+
+
+def test_segment_path_outside_the_protocol_is_refused_and_nothing_is_written(shm, fake_server, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 2048)
+    gen = tmp_path / "gen"
+    gen.write_bytes(bytes(32))
+    fake_server(str(victim), str(gen))
+    error = _put_through(shm.url(server="connect", timeout=2))
+    assert victim.read_bytes() == b"precious" * 2048
+    assert error is not None and str(victim) in error and "/dev/shm/ucm-shm." in error
+
+
+def test_segment_path_that_is_a_planted_symlink_is_refused_and_nothing_is_written(shm, fake_server, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 2048)
+    paths = shm_server.Paths(shm.name, shm.rundir)
+    data_path, gen_path = paths.segment(7, "data"), paths.segment(7, "gen")
+    os.symlink(victim, data_path)
+    try:
+        with open(gen_path, "wb") as f:
+            f.write(bytes(32))
+        fake_server(data_path, gen_path)
+        error = _put_through(shm.url(server="connect", timeout=2))
+    finally:
+        for path in (data_path, gen_path):
+            os.unlink(path)
+    assert victim.read_bytes() == b"precious" * 2048
+    assert error is not None and data_path in error
+
+
+def test_segment_smaller_than_the_server_says_is_refused(shm, fake_server):
+    # mmap would refuse it with a bare ValueError out of open_store.
+    paths = shm_server.Paths(shm.name, shm.rundir)
+    data_path, gen_path = paths.segment(7, "data"), paths.segment(7, "gen")
+    try:
+        for path, nbytes in ((data_path, 4096), (gen_path, 32)):
+            with open(path, "wb") as f:
+                f.write(bytes(nbytes))
+        fake_server(data_path, gen_path)
+        error = _put_through(shm.url(server="connect", timeout=2))
+    finally:
+        for path in (data_path, gen_path):
+            os.unlink(path)
+    assert error is not None and data_path in error and "holds 4096 bytes" in error
+
+
+# ---------------------------------------------------------------- timeouts
+
+def test_each_operation_on_a_stopped_server_gives_up_within_its_timeout(shm):
+    with open_store(shm.url(capacity="1MiB", timeout="2")) as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+        pid = store.stats().extra["server_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert store.put([b"k2"], [b"v"]) == [False]
+            took = {"put": time.monotonic() - started}
+            for op, call in (("contains", lambda: store.contains([b"k"])), ("stats", store.stats),
+                             ("get", lambda: store.get([b"k"])), ("put again", lambda: store.put([b"k3"], [b"v"]))):
+                started = time.monotonic()
+                try:
+                    result = call()
+                except StoreUnavailableError:
+                    result = None
+                took[op] = time.monotonic() - started
+                assert result in (None, [False]), op
+            assert all(t < 2.0 + 0.7 for t in took.values()), took
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Once the server runs again, so does the store (no restart: same pid).
+        assert store.put([b"k4"], [b"v"]) == [True]
+        assert store.get([b"k", b"k4"]) == [b"v", b"v"]
+        assert store.stats().extra["server_pid"] == pid
+
+
+def test_threads_waiting_on_another_threads_reconnect_give_up_within_their_timeout(shm):
+    import threading
+
+    with open_store(shm.url(capacity="1MiB", timeout="1.5")) as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+        pid = store.stats().extra["server_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert store.put([b"k2"], [b"v"]) == [False]  # the store now has to reconnect
+            took = {}
+
+            def get(i: int) -> None:
+                started = time.monotonic()
+                try:
+                    store.get([b"k"])
+                except StoreUnavailableError:
+                    pass
+                took[i] = time.monotonic() - started
+
+            # Staggered, so that the later ones start while the first one is
+            # reconnecting.
+            threads = [threading.Thread(target=get, args=(i,)) for i in range(3)]
+            for thread in threads:
+                thread.start()
+                time.sleep(0.3)
+            for thread in threads:
+                thread.join(30)
+            assert len(took) == 3 and all(t < 1.5 + 0.6 for t in took.values()), took
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert store.get([b"k"]) == [b"v"]
+
+
+def test_opening_a_store_whose_server_is_stopped_gives_up_within_its_timeout(shm):
+    with open_store(shm.url(capacity="1MiB")) as store:
+        pid = store.stats().extra["server_pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreOpenError, match="does not answer"):
+            open_store(shm.url(timeout="2"))
+        assert time.monotonic() - started < 2.0 + 0.7
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_an_operation_waiting_on_another_process_starting_the_server_gives_up_within_its_timeout(shm):
+    import fcntl
+
+    with open_store(shm.url(capacity="1MiB", timeout="1")) as store:
+        assert shm_server.stop_server(shm.name, shm.rundir)
+        assert store.put([b"k"], [b"v"]) == [False]  # notices the server is gone
+        # Another process is starting a server and is slow about it.
+        lock = os.open(shm_server.Paths(shm.name, shm.rundir).start_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="another process is starting"):
+                store.contains([b"k"])
+            assert time.monotonic() - started < 1.0 + 0.7
+        finally:
+            os.close(lock)
+        assert store.put([b"k"], [b"v"]) == [True]
+
+
+def test_stopping_a_server_that_does_not_answer_gives_up_within_its_timeout(shm):
+    with open_store(shm.url(capacity="1MiB")) as store:
+        pid = store.stats().extra["server_pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not exit within 1s"):
+            shm_server.stop_server(shm.name, shm.rundir, timeout_s=1)
+        assert time.monotonic() - started < 1.0 + 0.5
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+# ---------------------------------------------------------------- names that start with '-'
+
+def test_a_name_starting_with_a_dash_works_end_to_end(shm):
+    shm.name = "-" + shm.name
+    with open_store(shm.url(capacity="1MiB")) as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+    with open_store(shm.url(server="connect")) as store:
+        assert store.get([b"k"]) == [b"v"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "store_backends.shm_server"]
+    status = subprocess.run(cmd + ["status", "--runtime-dir", shm.rundir, "--", shm.name],
+                            capture_output=True, text=True, env=env, timeout=30)
+    assert status.returncode == 0 and '"num_blocks": 1' in status.stdout
+    stop = subprocess.run(cmd + ["stop", "--runtime-dir", shm.rundir, "--", shm.name],
+                          capture_output=True, text=True, env=env, timeout=30)
+    assert stop.returncode == 0 and server_processes(shm.name) == [] and shm.leftovers() == []

@@ -870,10 +870,22 @@ def _shm_name(name: str) -> str:
     return name
 
 
-def _running_shm_names(rundir: str | None) -> list[str]:
+def _shm_runtime_dir(rundir: str | None) -> str:
+    """The runtime directory, refused if others could have planted a server
+    in it (the servers' answers are printed and acted on)."""
     from store_backends import shm_server
 
     directory = shm_server.runtime_dir(rundir)
+    try:
+        shm_server.check_rundir(directory)
+    except shm_server.UnsafeRuntimeDir as exc:
+        raise UserError(str(exc)) from None
+    return directory
+
+
+def _running_shm_names(directory: str) -> list[str]:
+    from store_backends import shm_server
+
     try:
         entries = sorted(os.listdir(directory))
     except OSError:
@@ -886,8 +898,8 @@ def _running_shm_names(rundir: str | None) -> list[str]:
 def cmd_shm_list(args: argparse.Namespace) -> int:
     from store_backends import shm_server
 
-    names = _running_shm_names(args.runtime_dir)
-    directory = shm_server.runtime_dir(args.runtime_dir)
+    directory = _shm_runtime_dir(args.runtime_dir)
+    names = _running_shm_names(directory)
     if args.json:
         print(json.dumps({"runtime_dir": directory, "running": names}, indent=2))
         return EXIT_OK
@@ -907,7 +919,7 @@ def cmd_shm_status(args: argparse.Namespace) -> int:
     from store_backends import shm_server
 
     name = _shm_name(args.name)
-    directory = shm_server.runtime_dir(args.runtime_dir)
+    directory = _shm_runtime_dir(args.runtime_dir)
     info = shm_server.server_status(name, directory)
     if info is None:
         running = shm_server.server_running(shm_server.Paths(name, directory))
@@ -938,7 +950,7 @@ def cmd_shm_stop(args: argparse.Namespace) -> int:
     from store_backends import shm_server
 
     name = _shm_name(args.name)
-    directory = shm_server.runtime_dir(args.runtime_dir)
+    directory = _shm_runtime_dir(args.runtime_dir)
     if not shm_server.server_running(shm_server.Paths(name, directory)):
         raise UserError(f"no shm server is running for {name!r} (runtime dir {directory}); nothing to stop")
     info = shm_server.server_status(name, directory)
@@ -953,6 +965,31 @@ def cmd_shm_stop(args: argparse.Namespace) -> int:
         raise UserError(f"{exc}; its pid is in {shm_server.Paths(name, directory).pid_lock}", EXIT_STORE) from None
     print(f"stopped the shm server of {name!r}")
     return EXIT_OK
+
+
+def _add_shm_name(parser: argparse.ArgumentParser) -> None:
+    # Optional for argparse only: _take_shm_name finds a NAME that starts
+    # with '-', and says it is missing otherwise.
+    parser.add_argument("name", metavar="NAME", nargs="?",
+                        help="the store's NAME (shm://NAME); `-- NAME` if it is also one of the options")
+    parser.set_defaults(shm_name_parser=parser)
+
+
+def _take_shm_name(args: argparse.Namespace, extras: list[str]) -> list[str]:
+    """``ucm shm status -cache``: shm names may start with '-', and argparse
+    reads such a NAME as an unknown option.  When NAME is missing, the first
+    unknown token that is a valid name is the NAME; the other extras are
+    returned (and refused).  ``-- NAME`` always works, also for a NAME that is
+    one of the command's options (``-y``)."""
+    from store_backends import shm_server
+
+    if args.name is None:
+        for i, token in enumerate(extras):
+            if shm_server.valid_name(token):
+                args.name = token
+                return extras[:i] + extras[i + 1:]
+        args.shm_name_parser.error("the following arguments are required: NAME")
+    return extras
 
 
 # -- the command line ---------------------------------------------------------------------
@@ -1124,25 +1161,31 @@ def build_parser() -> argparse.ArgumentParser:
             "Show the figures of the server of shm://NAME: blocks, bytes, capacity, hits, evictions,\n"
             "open write leases.",
             "  ucm shm status ucm\n  ucm shm status ucm --json")
-    p.add_argument("name", metavar="NAME", help="the store's NAME (shm://NAME)")
+    _add_shm_name(p)
     p.add_argument("--runtime-dir", metavar="DIR", help="where the server's socket is")
     p.add_argument("--json", action="store_true", help="print the server's figures as JSON")
+    p.usage = "%(prog)s [-h] [--runtime-dir DIR] [--json] NAME"
     p = sub(shm_cmds, "stop", cmd_shm_stop, "stop a server (its blocks are dropped)",
             "Stop the server of shm://NAME and wait until it has removed its segment. Its blocks are\n"
             "gone; engines using the store see misses, and the next one to open it starts a new,\n"
             "empty server (with server=embedded). Asks first unless --yes.",
             "  ucm shm stop ucm --yes")
-    p.add_argument("name", metavar="NAME", help="the store's NAME (shm://NAME)")
+    _add_shm_name(p)
     p.add_argument("--runtime-dir", metavar="DIR", help="where the server's socket is")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S",
                    help="seconds to wait for it to exit (default 10)")
+    p.usage = "%(prog)s [-h] [--runtime-dir DIR] [--yes] [--timeout S] NAME"
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if getattr(args, "shm_name_parser", None) is not None:
+        extras = _take_shm_name(args, extras)
+    if extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if getattr(args, "batch", 1) < 1:
         parser.error("--batch must be at least 1")
     try:
