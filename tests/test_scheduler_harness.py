@@ -171,14 +171,14 @@ def test_a_failed_load_never_leaves_wrong_kv_in_the_store(store_url, mode, how, 
     assert third.counters()["load_errors"] == 0
 
 
-def test_blocks_replanned_after_a_failure_replace_what_the_store_holds(disk_url, harnesses):
+def test_blocks_replanned_after_a_failure_replace_what_the_store_holds(store_url, harnesses):
     """A block re-saved after a load failure is written even when its key is
     present: whatever the store held under it (here a value with a valid
     envelope but the wrong KV) does not survive."""
     from ucm_connector import blockfmt
 
     stored = prompt(8 * BS + 5, seed=7)
-    first = harnesses(store=disk_url)
+    first = harnesses(store=store_url)
     run_one(first, stored)
     keys = first.keys_of(stored)
     # Block 5 holds sound-looking wrong KV (as a poisoned save would have left).
@@ -186,15 +186,21 @@ def test_blocks_replanned_after_a_failure_replace_what_the_store_holds(disk_url,
     payload = bytearray(value[blockfmt.HEADER_NBYTES:])
     payload[0] ^= 1
     forged = blockfmt.encode_block(first.namespace.digest, bytes(payload), key=keys[5])
+    first.flush()
     first._store.delete([keys[5]])
     first._store.put([keys[5]], [forged])
+    first.flush()
     first.damaged.add(keys[5])   # check_store: allowed until replaced
     # Block 2 is corrupt: the load fails there, and blocks 2.. are recomputed.
-    h = harnesses(store=disk_url, check_every_step=False)
+    h = harnesses(store=store_url, check_every_step=False)
     h.damage(keys[2])
     run_one(h, stored)
+    h.flush()
     (now,) = h._store.get([keys[5]])
     assert now != forged, "the re-saved block did not replace what the store held"
+    for tier in getattr(h._store, "stores", []):   # a lower tier keeps no old copy either
+        (held,) = tier.get([keys[5]])
+        assert held != forged, f"tier {tier.url} kept the value the re-save replaced"
     h.damaged.discard(keys[5])
     h.damaged.discard(keys[2])
     h.check_store()

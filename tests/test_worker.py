@@ -16,7 +16,7 @@ from ucm_connector import blockfmt, worker as worker_mod
 from ucm_connector.outcomes import OutcomeLog
 from ucm_connector.hashing import keys_for_rank
 from ucm_connector.counters import StatsCollector
-from ucm_connector.scheduler import BlockPlan
+from ucm_connector.plans import BlockPlan
 
 NUM_BLOCKS = 24
 NS = b"namespace-digest"
