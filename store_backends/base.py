@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 from typing import Iterator, Sequence
 
 
@@ -49,11 +50,35 @@ class StoreUnavailableError(StoreError, ConnectionError):
     back."""
 
 
+class OpenMode(str, enum.Enum):
+    """Why a store is opened (like ``dbm.open``'s flag).
+
+    ``serve``: for an engine: created if missing, kept within its capacity
+    (eviction), an shm server started as its URL says.  ``inspect``: for an
+    operator: only a store that exists is opened (else ``StoreOpenError``
+    saying so), nothing is evicted, no server is started, no capacity is
+    enforced; reads, listing and deletes work."""
+
+    SERVE = "serve"
+    INSPECT = "inspect"
+
+
 @dataclasses.dataclass
 class StoreStats:
-    """What a store can tell about itself.  ``None`` means unknown."""
+    """What a store can tell about itself.  ``None`` means unknown.
+
+    ``kind`` names the backend (``disk``, ``redis``, ``redis-cluster``,
+    ``shm``, ``tier``, or a third-party scheme).  ``counts_scope`` is None
+    when ``num_blocks`` and ``nbytes`` count this store's blocks, else what
+    they count instead (a Redis database shared with other namespaces).
+    ``read_only`` is None for a store that takes writes, else why it does
+    not (a disk store on a full file system).  ``extra`` holds what only one
+    backend knows, for display."""
 
     url: str
+    kind: str = ""
+    counts_scope: str | None = None
+    read_only: str | None = None
     num_blocks: int | None = None
     nbytes: int | None = None
     capacity_nbytes: int | None = None
@@ -68,6 +93,10 @@ class StoreStats:
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+    @property
+    def counts_this_store(self) -> bool:
+        return self.counts_scope is None
 
 
 Buffer = bytearray | memoryview

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import threading
 from typing import Callable, Sequence
 
-from .base import KVStore, StoreOpenError
+from .base import KVStore, OpenMode, StoreOpenError
 from .urls import mask_password, split_url
 
 ENTRY_POINT_GROUP = "ucm_connector.stores"
@@ -106,20 +107,25 @@ def url_scheme(url: str) -> str:
     return scheme.lower()
 
 
-def open_store(url: str | Sequence[str], **tier_options: object) -> KVStore:
+def open_store(url: str | Sequence[str], mode: OpenMode | str = OpenMode.SERVE,
+               **tier_options: object) -> KVStore:
     """Open the store a URL names; a list of URLs opens a tier of stores,
-    fastest first (``tier_options`` go to ``TieredStore``)."""
+    fastest first (``tier_options`` go to ``TieredStore``).  ``mode``:
+    ``OpenMode.SERVE`` for an engine, ``OpenMode.INSPECT`` for an operator
+    (see ``OpenMode``); a third-party store whose opener takes no ``mode``
+    is opened as it is."""
+    mode = OpenMode(mode)
     if isinstance(url, (list, tuple)):
         from .tiered import TieredStore
 
         if not url:
             raise StoreOpenError("an empty list of store URLs names no store")
         if len(url) == 1 and not tier_options:
-            return open_store(url[0])
+            return open_store(url[0], mode)
         stores: list[KVStore] = []
         try:
             for one in url:
-                stores.append(open_store(one))
+                stores.append(open_store(one, mode))
         except BaseException:
             for store in stores:
                 store.close()
@@ -128,4 +134,28 @@ def open_store(url: str | Sequence[str], **tier_options: object) -> KVStore:
     if tier_options:
         raise TypeError(f"tier options {sorted(tier_options)} only apply to a list of store URLs")
     scheme = url_scheme(url)
-    return factory_for(scheme, url)(url)
+    factory = factory_for(scheme, url)
+    if mode is not OpenMode.SERVE and _takes_mode(factory):
+        return factory(url, mode=mode)  # type: ignore[call-arg]
+    return factory(url)
+
+
+def _takes_mode(factory: Callable) -> bool:
+    try:
+        return "mode" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def which_store(url: str) -> str | None:
+    """The kind of store a URL names if one exists there (like
+    ``dbm.whichdb``): ``"disk"`` for a directory holding a disk store,
+    ``"shm"`` for a running shm server, the scheme for a reachable Redis or
+    third-party store; None when nothing is there.  Opens nothing for
+    writing and starts nothing; raises ``StoreOpenError`` for a bad URL."""
+    try:
+        with open_store(url, OpenMode.INSPECT) as store:
+            return store.stats().kind or url_scheme(url)
+    except StoreOpenError:
+        url_scheme(url)   # a malformed URL still raises
+        return None
