@@ -148,8 +148,7 @@ if triton is not None:
                     m = m_new
             if P > 1:
                 logit = tl.where(m == float("-inf"), float("-inf"), m + tl.log(acc))
-        HQ: tl.constexpr = H * G
-        out = out_ptr + (r * HQ + h * G + g[:, None]) * width + j[None, :]
+        out = out_ptr + (r * (H * G) + h * G + g[:, None]) * width + j[None, :]
         tl.store(out, logit, mask=(g[:, None] < G) & (j[None, :] < width))
 
     @triton.jit
