@@ -14,30 +14,30 @@ Llama-3-8B attention shapes by default (32 query / 8 KV heads of 128, bf16,
   prefix-cache hit of all but their last token), then decode steps run: a
   step is ``begin_step`` plus one layer call for each of 32 layers (32 sets
   of summaries over the ``--layers`` caches), the step index changing;
-* *selection*: ``before_attention`` per layer call, averaged over the steps'
-  calls (the step's first layer included), timed with CUDA events around
-  back-to-back eager steps (launch costs included: the host issues every
-  launch), and as one CUDA-graph replay per step (the device's work alone);
-  through the Triton kernels and through the torch path;
-* *dense* / *sparse attention*: torch's SDPA over contiguous K/V of the whole
-  context / of the kept share of it (what FlashAttention costs reading the
-  kept blocks through the table), and a paged split-K decode kernel (here,
-  in Triton) reading the cache through the block table, dense and with the
-  selection's table and lengths (its output checked against SDPA over the
-  chosen blocks);
-* *syncs*: host synchronisations per layer call, counted by
-  ``torch.cuda.set_sync_debug_mode("warn")``; kernels per layer call,
-  counted by the profiler;
+* *selection*: ``before_attention`` alone per layer call (the step's first
+  layer included), timed with CUDA events around back-to-back eager steps
+  (the host issues every launch, so this is the host's cost where it is the
+  larger) and as one CUDA-graph replay per step (the device's work alone);
+  host syncs per call (``torch.cuda.set_sync_debug_mode("warn")``) and
+  kernels per call (the profiler); through the Triton kernels, and at
+  ``--torch-at`` contexts through the torch path and Triton's own launch path;
+* *a layer's attention part*: dense attention alone (torch's SDPA over
+  contiguous K/V of the whole context), against the hook followed by SDPA
+  over a quarter of the context (what FlashAttention costs reading the kept
+  blocks through the table), and against the hook left dense (below
+  ``dense_below``: it only folds the new keys) followed by dense SDPA; also a
+  paged split-K decode kernel (here, in Triton) reading the cache through
+  the block table, dense and with the selection's table and lengths (its
+  output checked against attention over the chosen blocks).  Eager and as
+  CUDA graphs;
 * at the smallest context, the CPU torch path on copies of the same inputs
-  chooses the same blocks as CUDA (rows equal, and rows that differ only
-  where two scores tie to rounding).
+  chooses the same blocks as CUDA (rows equal; rows that differ show how
+  many blocks were swapped).
 
-Prints a table last; ``main(argv)`` returns the results as a dict (for
-benchmarks/gpu_bench.py).  Needs torch (and Triton for the kernels); never
-imports vLLM.
+Prints two tables last; ``main(argv)`` returns the results as a dict (for
+benchmarks/gpu_bench.py) and ``--json`` keeps them, written after every
+context.  Needs torch (and Triton for the kernels); never imports vLLM.
 """
-
-from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -62,6 +62,7 @@ from ucm_connector.sparse import AttentionBatch, RequestStart, StepInfo, triton_
 from ucm_connector.sparse.block_topk import BlockTopK, BlockTopKOptions  # noqa: E402
 
 LAYERS_PER_STEP = 32
+DEVICE = "cuda"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -288,6 +289,8 @@ def _graph_ms(fn, iters: int) -> float:
 
 
 def _syncs(fn) -> int:
+    """Host synchronisations while ``fn`` runs, as torch's sync debug mode
+    reports them (one warning each)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -296,10 +299,12 @@ def _syncs(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    return sum("called a synchronizing" in str(w.message) for w in caught)
 
 
-def _kernels(fn) -> int | None:
+def _kernels(fn) -> tuple[int, dict[str, float]] | None:
+    """Kernels ``fn`` launches (copies and fills excluded) and the device
+    time of each kind, µs in all, by the profiler."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -307,103 +312,151 @@ def _kernels(fn) -> int | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
-                   and "memset" not in e.name.lower())
+        count, by_name = 0, {}
+        for e in prof.events():
+            if e.device_type.name != "CUDA" or "memcpy" in e.name.lower() or "memset" in e.name.lower():
+                continue
+            count += 1
+            us = getattr(e, "device_time", None)
+            if us is None:
+                us = getattr(e, "cuda_time", 0.0)
+            name = e.name if len(e.name) < 40 else e.name[:37] + "..."
+            by_name[name] = by_name.get(name, 0.0) + float(us or 0.0)
+        return count, by_name
     except Exception:
+        traceback.print_exc()
         return None
 
 
-def measure_selection(work: Workload, kernels: str, steps: int) -> dict:
-    method = _method(kernels, work.s.keep_ratio)
-    batches = work.batches(LAYERS_PER_STEP)
-    work.step(method, batches, 1, work.started())
-    counter = [2]
+class Stepper:
+    """Runs decode steps of one method over a workload's 32 layer calls,
+    optionally with an attention call after each layer's hook."""
 
-    def one_step():
-        counter[0] += 1
-        return work.step(method, batches, counter[0])
+    def __init__(self, work: Workload, method: BlockTopK, attention=None):
+        self.work, self.method, self.attention = work, method, attention
+        self.batches = work.batches(LAYERS_PER_STEP)
+        self.step_index = 1
+        work.step(method, self.batches, 1, work.started())
+        self()
 
-    one_step()
-    torch.cuda.synchronize()
-    out = {"kernels": kernels}
-    out["eager_ms"] = _events_ms(one_step, steps) / LAYERS_PER_STEP
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        one_step()
-    out["host_ms"] = (time.perf_counter() - t0) * 1e3 / steps / LAYERS_PER_STEP
-    torch.cuda.synchronize()
-    out["syncs_per_call"] = _syncs(one_step) / LAYERS_PER_STEP
-    launched = _kernels(one_step)
-    out["kernels_per_call"] = None if launched is None else launched / LAYERS_PER_STEP
-    try:
-        out["graph_ms"] = _graph_ms(one_step, steps) / LAYERS_PER_STEP
-    except Exception as exc:
-        out["graph_ms"] = None
-        out["graph_error"] = f"{type(exc).__name__}: {exc}"
-    # The fold alone (what a dense call below the crossover still pays, and
-    # what reusing a selection for a few steps would leave per step).
-    fold = _method(kernels, work.s.keep_ratio, dense_below=1 << 30)
-    work.step(fold, batches, 1, work.started())
-    counter2 = [2]
+    def __call__(self):
+        self.step_index += 1
+        self.method.begin_step(StepInfo(self.work.s.block_size, scheduled_req_ids=self.work.req_ids))
+        selection = None
+        for i, b in enumerate(self.batches):
+            b.step = self.step_index
+            selection = self.method.before_attention(b)
+            if self.attention is not None:
+                self.attention(i, selection)
+        return selection
 
-    def fold_step():
-        counter2[0] += 1
-        work.step(fold, batches, counter2[0])
 
-    fold_step()
-    out["fold_only_eager_ms"] = _events_ms(fold_step, steps) / LAYERS_PER_STEP
-    selection = one_step()
-    out["selection"] = (selection.block_table.clone(), selection.seq_lens.clone())
-    out["read_fraction"] = method.stats().read_fraction
+def _per_layer(fn, steps: int, graph: bool = True) -> dict:
+    out = {"eager_ms": _events_ms(fn, steps) / LAYERS_PER_STEP}
+    if graph:
+        try:
+            out["graph_ms"] = _graph_ms(fn, steps) / LAYERS_PER_STEP
+        except Exception as exc:
+            out["graph_ms"] = None
+            out["graph_error"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
-def measure_attention(work: Workload, selection, iters: int) -> dict:
+def measure_selection(work: Workload, kernels: str, steps: int, compare_launch: bool) -> dict:
+    """The hook alone, per layer call."""
+    from ucm_connector.sparse.triton_select import _Launcher
+
+    method = _method(kernels, work.s.keep_ratio)
+    step = Stepper(work, method)
+    out = {"kernels": kernels}
+    out.update(_per_layer(step, steps))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    out["host_ms"] = (time.perf_counter() - t0) * 1e3 / steps / LAYERS_PER_STEP
+    torch.cuda.synchronize()
+    out["syncs_per_call"] = _syncs(step) / LAYERS_PER_STEP
+    launched = _kernels(step)
+    if launched is not None:
+        out["kernels_per_call"] = launched[0] / LAYERS_PER_STEP
+        out["kernel_us_per_call"] = {k: v / LAYERS_PER_STEP for k, v in launched[1].items()}
+    if compare_launch and kernels == "triton":
+        _Launcher.fast = False
+        try:
+            out["eager_ms_triton_launch"] = _events_ms(step, steps) / LAYERS_PER_STEP
+        finally:
+            _Launcher.fast = True
+    fold = Stepper(work, _method(kernels, work.s.keep_ratio, dense_below=1 << 30))
+    out["fold_only_eager_ms"] = _events_ms(fold, steps) / LAYERS_PER_STEP
+    selection = step()
+    out["selection"] = (selection.block_table.clone(), selection.seq_lens.clone())
+    out["read_fraction"] = method.stats().read_fraction
+    out["method"] = method
+    return out
+
+
+def measure_layers(work: Workload, method: BlockTopK, kernels: str, steps: int) -> dict:
+    """A layer's attention part, per layer: dense attention alone against
+    the hook followed by attention over the kept blocks, and the hook left
+    dense (below ``dense_below``) followed by dense attention.  Eager (the
+    host issues every launch, hook and attention overlap as they would in
+    an engine) and as CUDA graphs (device time alone)."""
     s = work.s
     rows, kvh, d = s.rows, s.kv_heads, s.head
     scale = 1 / math.sqrt(d)
-    out = {}
     q4 = work.query.view(rows, s.heads, 1, d)
-    for name, length in (("dense_sdpa_ms", work.context), ("sparse_sdpa_ms", work.context // 4)):
-        k = torch.randn(rows, kvh, length, d, device=work.device, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
+    full = [torch.randn(rows, kvh, work.context, d, device=work.device, dtype=torch.bfloat16) for _ in range(2)]
+    kept = [torch.randn(rows, kvh, work.context // 4, d, device=work.device, dtype=torch.bfloat16)
+            for _ in range(2)]
 
-        def sdpa(k=k, v=v):
-            return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+    def sdpa(k, v):
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
 
-        sdpa()
-        out[name] = _events_ms(sdpa, iters)
-        try:
-            out[name.replace("_ms", "_graph_ms")] = _graph_ms(sdpa, iters)
-        except Exception as exc:
-            out[name.replace("_ms", "_graph_ms")] = None
-            out["sdpa_graph_error"] = str(exc)
-        del k, v
-    if triton is None:
-        return out
-    paged = PagedAttention(rows, s.heads, kvh, d, device=work.device)
-    result = torch.empty(rows, s.heads, d, device=work.device, dtype=torch.bfloat16)
-    view = work.views[0]
-    table, seq_lens = selection
-    out["dense_paged_ms"] = _events_ms(lambda: paged(work.query, view, work.table, work.seq_lens, result, scale),
-                                       iters)
-    out["sparse_paged_ms"] = _events_ms(lambda: paged(work.query, view, table, seq_lens, result, scale), iters)
-    # Correctness: the paged kernel over the selection equals attention over
-    # exactly the chosen blocks (one row per check, fp32 reference).
-    paged(work.query, view, table, seq_lens, result, scale)
-    worst = 0.0
-    for r in (0, rows - 1):
-        kept = _cdiv(int(seq_lens[r]), s.block_size)
-        blocks = table[r, :kept].long()
-        toks = view[blocks]                                            # [kept, B, H, 2D]
-        fill = int(seq_lens[r]) - (kept - 1) * s.block_size
-        keys = toks[..., :d].reshape(-1, kvh, d)[:(kept - 1) * s.block_size + fill].float()
-        vals = toks[..., d:].reshape(-1, kvh, d)[:(kept - 1) * s.block_size + fill].float()
-        q = work.query[r].float().view(kvh, s.heads // kvh, d)
-        w = torch.einsum("hgd,lhd->hgl", q, keys).mul(scale).softmax(-1)
-        ref = torch.einsum("hgl,lhd->hgd", w, vals).reshape(s.heads, d)
-        worst = max(worst, float((result[r].float() - ref).norm() / ref.norm()))
-    out["paged_sparse_rel_err"] = worst
+    out = {}
+
+    def dense():
+        for _ in range(LAYERS_PER_STEP):
+            sdpa(*full)
+
+    out["dense_sdpa"] = _per_layer(dense, steps)
+    out["sparse_sdpa"] = _per_layer(lambda: [sdpa(*kept) for _ in range(LAYERS_PER_STEP)], steps)
+    sparse = Stepper(work, method, lambda i, sel: sdpa(*kept))
+    out["hook+sparse_sdpa"] = _per_layer(sparse, steps)
+    fallback = Stepper(work, _method(kernels, s.keep_ratio, dense_below=1 << 30), lambda i, sel: sdpa(*full))
+    out["hook_dense+dense_sdpa"] = _per_layer(fallback, steps)
+    if triton is not None:
+        paged = PagedAttention(rows, s.heads, kvh, d, device=work.device)
+        result = torch.empty(rows, s.heads, d, device=work.device, dtype=torch.bfloat16)
+        views = work.views
+
+        def dense_paged():
+            for i in range(LAYERS_PER_STEP):
+                paged(work.query, views[i % len(views)], work.table, work.seq_lens, result, scale)
+
+        out["dense_paged"] = _per_layer(dense_paged, steps)
+        sparse_paged = Stepper(work, method, lambda i, sel: paged(
+            work.query, views[i % len(views)], sel.block_table, sel.seq_lens, result, scale))
+        out["hook+sparse_paged"] = _per_layer(sparse_paged, steps)
+        # The paged kernel over the selection equals attention over exactly
+        # the chosen blocks (fp32 reference, two rows).
+        selection = sparse_paged()
+        torch.cuda.synchronize()
+        table, seq_lens = selection.block_table, selection.seq_lens
+        paged(work.query, views[(LAYERS_PER_STEP - 1) % len(views)], table, seq_lens, result, scale)
+        view = views[(LAYERS_PER_STEP - 1) % len(views)]
+        worst = 0.0
+        for r in (0, rows - 1):
+            n_kept = _cdiv(int(seq_lens[r]), s.block_size)
+            toks = view[table[r, :n_kept].long()]
+            length = int(seq_lens[r])
+            keys = toks[..., :d].reshape(-1, kvh, d)[:length].float()
+            vals = toks[..., d:].reshape(-1, kvh, d)[:length].float()
+            q = work.query[r].float().view(kvh, s.heads // kvh, d)
+            w = torch.einsum("hgd,lhd->hgl", q, keys).mul(scale).softmax(-1)
+            ref = torch.einsum("hgl,lhd->hgd", w, vals).reshape(s.heads, d)
+            worst = max(worst, float((result[r].float() - ref).norm() / ref.norm()))
+        out["paged_sparse_rel_err"] = worst
+    del full, kept
     return out
 
 
@@ -448,81 +501,104 @@ def same_blocks_cpu_vs_cuda(work: Workload, kernels: str, steps: int = 2) -> dic
     return {"rows": rows, "equal": equal, "blocks_swapped_in_differing_rows": differing}
 
 
-def run_context(shapes: Shapes, context: int, args) -> dict:
-    work = Workload(shapes, context, args.layers, "cuda")
+def run_context(shapes: Shapes, context: int, args, partial: list[dict]) -> dict:
+    work = Workload(shapes, context, args.layers, DEVICE)
     res = {"context": context}
-    kernels = ["triton", "torch"] if triton_select.available() else ["torch"]
-    for k in kernels:
+    partial.append(res)
+    paths = [p for p in args.paths if p != "triton" or triton_select.available()]
+    for k in paths:
+        if k == "torch" and context not in args.torch_at:
+            continue
         try:
-            sel = measure_selection(work, k, args.steps)
-            res[k] = {key: v for key, v in sel.items() if key != "selection"}
-            res.setdefault("_selection", sel["selection"])
-            print(f"  {context}: selection {k}: {res[k]}", flush=True)
+            sel = measure_selection(work, k, args.steps, compare_launch=context in args.torch_at)
+            method = sel.pop("method")
+            selection = sel.pop("selection")
+            res[k] = sel
+            print(f"  {context}: selection {k}: {sel}", flush=True)
+            if k == paths[0]:
+                res["layers"] = measure_layers(work, method, k, args.steps)
+                print(f"  {context}: layers {res['layers']}", flush=True)
+                del selection
         except Exception:
             traceback.print_exc()
             res[k] = {"error": traceback.format_exc(limit=3)}
-    if "_selection" in res:
-        try:
-            res["attention"] = measure_attention(work, res.pop("_selection"), args.iters)
-            print(f"  {context}: attention {res['attention']}", flush=True)
-        except Exception:
-            traceback.print_exc()
+        _save(args, partial)
     if context == min(args.contexts) and not args.skip_cpu_check:
         try:
-            res["cpu_vs_cuda"] = same_blocks_cpu_vs_cuda(work, kernels[0])
+            res["cpu_vs_cuda"] = same_blocks_cpu_vs_cuda(work, paths[0])
             print(f"  {context}: cpu vs cuda {res['cpu_vs_cuda']}", flush=True)
         except Exception:
             traceback.print_exc()
+        _save(args, partial)
     del work
     torch.cuda.empty_cache()
     return res
 
 
-def _ratio(selection_ms: float | None, attention: dict, kind: str = "_ms") -> float:
-    """(selection + sparse attention) / dense attention, SDPA timings of the
-    same kind (eager or graph)."""
-    dense, sparse = attention.get("dense_sdpa" + kind), attention.get("sparse_sdpa" + kind)
-    if selection_ms is None or not dense or sparse is None:
+def _save(args, results: list[dict]) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": getattr(triton, "__version__", None), "results": results}, f, indent=1,
+                      default=str)
+
+
+def _layer_ratio(layers: dict, sparse: str, dense: str, kind: str = "eager_ms") -> float:
+    try:
+        return layers[sparse][kind] / layers[dense][kind]
+    except (KeyError, TypeError, ZeroDivisionError):
         return float("nan")
-    return (selection_ms + sparse) / dense
 
 
-def crossover(results: list[dict], path: str = "triton") -> int | None:
-    """The shortest context from which every measured longer one gains:
-    (eager selection + sparse) below dense."""
-    gains = [(r["context"], _ratio(r.get(path, {}).get("eager_ms"), r.get("attention", {})) < 1) for r in results]
+def crossover(results: list[dict]) -> int | None:
+    """The shortest context from which every measured longer one gains: the
+    hook plus attention over the kept blocks faster than dense attention
+    (SDPA, eager)."""
     best = None
-    for context, gain in sorted(gains, reverse=True):
-        if not gain:
+    for r in sorted(results, key=lambda r: -r["context"]):
+        if not _layer_ratio(r.get("layers", {}), "hook+sparse_sdpa", "dense_sdpa") < 1:
             break
-        best = context
+        best = r["context"]
     return best
 
 
+def _us(x) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f}"
+
+
 def table(results: list[dict]) -> str:
-    head = ("| context | path | selection eager µs | graph µs | fold only µs | syncs/call | kernels/call "
-            "| dense SDPA µs | sparse SDPA µs | (sel + sparse) / dense, eager | graph "
-            "| dense paged µs | sparse paged µs |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = ["Selection (block_topk.before_attention) per layer call, µs:", "",
+             "| context | path | eager | host | graph (device) | fold only, eager | syncs/call | kernels/call |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        att = r.get("attention", {})
         for k in ("triton", "torch"):
             sel = r.get(k)
             if not sel or "eager_ms" not in sel:
                 continue
-            ratio = _ratio(sel.get("eager_ms"), att)
-            graph_ratio = _ratio(sel.get("graph_ms"), att, "_graph_ms")
-
-            def us(x):
-                return "-" if x is None else f"{1e3 * x:.1f}"
-
             launched = sel.get("kernels_per_call")
-            lines.append(
-                f"| {r['context']} | {k} | {us(sel['eager_ms'])} | {us(sel.get('graph_ms'))} | "
-                f"{us(sel.get('fold_only_eager_ms'))} | {sel['syncs_per_call']:.2f} | "
-                f"{'-' if launched is None else f'{launched:.2f}'} | "
-                f"{us(att.get('dense_sdpa_ms'))} | {us(att.get('sparse_sdpa_ms'))} | {ratio:.2f} | {graph_ratio:.2f} | "
-                f"{us(att.get('dense_paged_ms'))} | {us(att.get('sparse_paged_ms'))} |")
+            lines.append(f"| {r['context']} | {k} | {_us(sel['eager_ms'])} | {_us(sel.get('host_ms'))} | "
+                         f"{_us(sel.get('graph_ms'))} | {_us(sel.get('fold_only_eager_ms'))} | "
+                         f"{sel['syncs_per_call']:.2f} | {'-' if launched is None else f'{launched:.2f}'} |")
+    lines += ["", "A layer's attention part, per layer, µs (eager / graph):", "",
+              "| context | dense SDPA | hook + SDPA over the kept quarter | ratio | hook left dense + dense SDPA "
+              "| dense paged | hook + paged over the selection | ratio |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lay = r.get("layers")
+        if not lay:
+            continue
+
+        def both(name):
+            x = lay.get(name, {})
+            return f"{_us(x.get('eager_ms'))} / {_us(x.get('graph_ms'))}"
+
+        def ratios(sparse, dense):
+            return f"{_layer_ratio(lay, sparse, dense):.2f} / {_layer_ratio(lay, sparse, dense, 'graph_ms'):.2f}"
+
+        lines.append(f"| {r['context']} | {both('dense_sdpa')} | {both('hook+sparse_sdpa')} | "
+                     f"{ratios('hook+sparse_sdpa', 'dense_sdpa')} | {both('hook_dense+dense_sdpa')} | "
+                     f"{both('dense_paged')} | {both('hook+sparse_paged')} | "
+                     f"{ratios('hook+sparse_paged', 'dense_paged')} |")
     return "\n".join(lines)
 
 
@@ -531,9 +607,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4, help="physical caches the 32 layer calls cycle over")
-    ap.add_argument("--steps", type=int, default=20, help="decode steps per timing round")
-    ap.add_argument("--iters", type=int, default=200, help="attention calls per timing round")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps (of 32 layer calls) per timing round")
     ap.add_argument("--keep-ratio", type=float, default=0.25)
+    ap.add_argument("--paths", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
+    ap.add_argument("--torch-at", type=int, nargs="*", default=[8192, 32768],
+                    help="contexts at which the torch path, and Triton's own launch path, are timed too")
     ap.add_argument("--skip-cpu-check", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -542,19 +620,16 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = Shapes(rows=args.rows, keep_ratio=args.keep_ratio)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', None)}; {shapes}", flush=True)
-    results = []
+    results: list[dict] = []
     for context in sorted(args.contexts):
         print(f"context {context}", flush=True)
-        results.append(run_context(shapes, context, args))
+        run_context(shapes, context, args, results)
     print(table(results), flush=True)
-    print(f"crossover (triton, eager): {crossover(results)}; (torch path): {crossover(results, 'torch')}", flush=True)
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": getattr(triton, "__version__", None), "shapes": dataclasses.asdict(shapes),
-           "results": results}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    return out
+    print(f"crossover (hook + sparse SDPA < dense SDPA, eager): {crossover(results)}", flush=True)
+    _save(args, results)
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": getattr(triton, "__version__", None), "shapes": dataclasses.asdict(shapes),
+            "results": results, "crossover": crossover(results)}
 
 
 if __name__ == "__main__":

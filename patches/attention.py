@@ -180,6 +180,9 @@ CPU_FORWARD = Patch(
 # logical view [num_blocks, num_kv_heads, block_size, 2 * head_size] with
 # per-token rows, so keys read back by plain indexing.
 
+_KEY_VIEWS: dict[tuple, Any] = {}
+
+
 class FlashKeyPages(KeyPages):
     """``KeyPages`` over FlashAttention's per-token page rows."""
 
@@ -191,7 +194,16 @@ class FlashKeyPages(KeyPages):
         return self._kv.index_select(0, block_ids).transpose(1, 2)[..., :self.head_size]
 
     def key_view(self):
-        return self._kv.transpose(1, 2)[..., :self.head_size]
+        # One view per cache tensor, kept: a decode layer call should not pay
+        # for making it again (the patch builds a reader per call).
+        kv = self._kv
+        key = (kv.data_ptr(), kv.shape, kv.stride(), self.head_size)
+        view = _KEY_VIEWS.get(key)
+        if view is None:
+            if len(_KEY_VIEWS) > 1024:
+                _KEY_VIEWS.clear()
+            view = _KEY_VIEWS[key] = kv.transpose(1, 2)[..., :self.head_size]
+        return view
 
     def probe(self, block_ids):
         import torch

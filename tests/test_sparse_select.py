@@ -227,11 +227,13 @@ SETTINGS = [
 
 @pytest.mark.parametrize("device, kernels", PATHS)
 @pytest.mark.parametrize("options", SETTINGS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_the_selection_chooses_the_blocks_the_earlier_selection_chose(device, kernels, options):
+@pytest.mark.parametrize("rows", ["decode", "mixed"])
+def test_the_selection_chooses_the_blocks_the_earlier_selection_chose(device, kernels, options, rows):
     compared = 0
     for seed in range(3):
         lens = [700 + 97 * seed, 333, 1500, 129, 40, 977]
-        q_lens = [1, 1, 1, 64, 1, 1]               # one chunked-prefill row among decode rows
+        # "mixed": one chunked-prefill row among decode rows.
+        q_lens = [1, 1, 1, 64, 1, 1] if rows == "mixed" else [1] * 6
         reqs = Requests(device, lens, q_lens, seed=seed)
         method = _method(options, kernels)
         reqs.start(method)
@@ -254,6 +256,35 @@ def test_a_pure_decode_step_over_128_token_blocks_matches_too(device, kernels):
     selection = method.before_attention(batch)
     rows, real = _differences(selection, _reference(method.options, method._layers["layers.0"], batch), batch)
     assert rows == 4 and real == 0
+
+
+@pytest.mark.skipif(len(PATHS) == len(DEVICES), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("score", ["mean", "bound"])
+def test_the_kernels_keep_the_summaries_the_torch_path_keeps(score):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # 23 decode steps: blocks completed (probes taken) and started (reset).
+    reqs = Requests(device, [700, 333, 1500, 977], [24] * 4, seed=11)
+    methods = [_method({"keep_ratio": 0.25, "score": score, "parts": 2 if score == "mean" else 1}, k)
+               for k in ("torch", "triton")]
+    for m in methods:
+        reqs.start(m)
+    for step in range(23):
+        lens = [n - 23 + step for n in reqs.lens]
+        parts = [(n - 1, n) for n in lens]
+        batch = reqs._batch("layers.0", 2 + step, parts, lens, range(4))
+        for m in methods:
+            m.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+            m.before_attention(dataclasses.replace(batch))
+    a, b = (m._layers["layers.0"] for m in methods)
+    assert torch.allclose(a.part_sum, b.part_sum, atol=1e-5)
+    if score == "bound":
+        assert torch.equal(a.minmax, b.minmax)
+    assert torch.equal(a.made_at, b.made_at)
+    assert torch.equal(a.probe.isnan(), b.probe.isnan())
+    assert torch.equal(a.probe.nan_to_num(), b.probe.nan_to_num())
+    assert (~a.probe[:-1].isnan()).any(dim=1).sum() > 10      # probes were taken
+    sa, sb = (m.stats() for m in methods)
+    assert sa == sb
 
 
 # -- no waiting ----------------------------------------------------------------------------

@@ -329,7 +329,11 @@ class BlockTopK(SparseMethod):
             self._no_pages = True
         self._apply_pending(layer, batch, epochs)
         triton = self._use_triton(device)
-        if batch.key is not None and batch.slot_mapping is not None:
+        checking = self._checking()
+        # A decode-only call on the Triton path folds its keys in the scoring
+        # kernel (one launch fewer); otherwise the keys are folded first.
+        fused = triton and plan.decode_only and not plan.dense and not checking
+        if batch.key is not None and batch.slot_mapping is not None and not fused:
             if triton and plan.decode_only:
                 triton_select.fold_decode(layer, batch.key, batch.slot_mapping, epochs, batch.pages)
             else:
@@ -337,9 +341,9 @@ class BlockTopK(SparseMethod):
         if plan.dense:
             plan.count_call(batch)
             return None
-        unsummarized = self._refresh_stale(layer, batch, plan, epochs) if self._checking() else None
+        unsummarized = self._refresh_stale(layer, batch, plan, epochs) if checking else None
         if triton and unsummarized is None:
-            return self._select_triton(layer, batch, plan)
+            return self._select_triton(layer, batch, plan, (epochs,) if fused else None)
         return self._select_torch(layer, batch, plan, unsummarized)
 
     def _apply_pending(self, layer: LayerSummaries, batch: AttentionBatch, epochs: torch.Tensor) -> None:
@@ -374,13 +378,14 @@ class BlockTopK(SparseMethod):
         self._host_stats.blocks_summarized_from_pages += rebuilt
         return None
 
-    def _select_triton(self, layer: LayerSummaries, batch: AttentionBatch, plan: "_StepPlan") -> BlockSelection:
+    def _select_triton(self, layer: LayerSummaries, batch: AttentionBatch, plan: "_StepPlan",
+                       fold: tuple | None) -> BlockSelection:
         table, seq_lens = plan.outputs(batch)
         triton_select.score_and_select(
             layer, batch, width=plan.width, keep=self._keep_table(plan.width, batch.query.device),
             sink_blocks=self.options.sink_blocks, local_blocks=self.options.local_blocks,
             bound=self.options.score == "bound", query_in_order=plan.decode_only,
-            out_table=table, out_seq_lens=seq_lens, totals=self._totals)
+            out_table=table, out_seq_lens=seq_lens, totals=self._totals, logits=plan.logits(batch), fold=fold)
         return BlockSelection(block_table=table, seq_lens=seq_lens)
 
     def _keep_table(self, width: int, device: torch.device) -> torch.Tensor:
@@ -492,6 +497,7 @@ class _StepPlan:
         self._write: WritePlan | None = None
         self._tensors: _RowTensors | None = None
         self._outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._logits: torch.Tensor | None = None
         self._stale: torch.Tensor | None | bool = False
 
     def write_plan(self, batch: AttentionBatch, trash: int) -> WritePlan:
@@ -515,6 +521,14 @@ class _StepPlan:
                 seq_lens = torch.empty_like(batch.seq_lens)
             self._outputs = (batch.block_table.clone(), seq_lens)
         return self._outputs
+
+    def logits(self, batch: AttentionBatch) -> torch.Tensor:
+        """The Triton path's per-call scratch, shared by the step's layers
+        (they run one after another on one stream)."""
+        if self._logits is None:
+            self._logits = torch.empty((self.num_reqs, batch.query.shape[1], self.width), dtype=torch.float32,
+                                       device=batch.query.device)
+        return self._logits
 
     def count_call(self, batch: AttentionBatch) -> None:
         """Count a call whose counters the host adds up (dense, or the

@@ -96,9 +96,12 @@ if triton is not None:
     @triton.jit
     def _block_logits_kernel(q_ptr, q_s0, q_s1, qsl_ptr, seq_ptr, table_ptr, table_s0,
                              sum_ptr, minmax_ptr, out_ptr, width, scale,
-                             BS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                             D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr, PS: tl.constexpr,
-                             TJ: tl.constexpr, BOUND: tl.constexpr, Q_IN_ORDER: tl.constexpr):
+                             key_ptr, key_s0, key_s1, slot_ptr, epochs_ptr, made_at_ptr, probe_ptr,
+                             kv_ptr, kv_s0, kv_s1,
+                             BS: tl.constexpr, BSP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
+                             GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr,
+                             PS: tl.constexpr, TJ: tl.constexpr, BOUND: tl.constexpr, Q_IN_ORDER: tl.constexpr,
+                             FOLD: tl.constexpr, PROBE: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         j = tl.program_id(2) * TJ + tl.arange(0, TJ)
@@ -112,14 +115,61 @@ if triton is not None:
             tok = tl.load(qsl_ptr + r).to(tl.int64)
         g = tl.arange(0, GP)
         d = tl.arange(0, DP)
-        gd = (g[:, None] < G) & (d[None, :] < D)
+        dmask = d < D
+        gd = (g[:, None] < G) & dmask[None, :]
         q = tl.load(q_ptr + tok * q_s0 + (h * G + g[:, None]) * q_s1 + d[None, :], mask=gd,
                     other=0.0).to(tl.float32)                                     # [GP, DP]
-        vd = valid[:, None] & (d[None, :] < D)                                    # [TJ, DP]
+        vd = valid[:, None] & dmask[None, :]                                      # [TJ, DP]
+        # FOLD (decode-only calls): row r's one new token is the last of its
+        # last block, which this program alone reads for head h: its key is
+        # folded into the summary rows in registers, and those rows are
+        # written back, so that no other thread reads a half-updated row.
+        here = j == -1
+        offset = 0
+        fold_block = 0
+        key = tl.zeros((DP,), tl.float32)
+        if FOLD:
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            mine = (slot >= 0) & ((n - 1) // TJ == tl.program_id(2))
+            here = (j == n - 1) & mine
+            offset = tl.where(slot >= 0, slot % BS, 0)
+            fold_block = tl.where(slot >= 0, slot // BS, 0)
+            key = tl.load(key_ptr + r * key_s0 + h * key_s1 + d, mask=dmask & mine, other=0.0).to(tl.float32)
+            if mine:
+                if BOUND:
+                    # Slice sums are kept for either score; nobody else reads them here.
+                    part_row = sum_ptr + (fold_block * P + offset // PS) * (H * D) + h * D + d
+                    if offset == 0:
+                        for p in tl.static_range(P):
+                            tl.store(sum_ptr + (fold_block * P + p) * (H * D) + h * D + d,
+                                     tl.zeros((DP,), tl.float32), mask=dmask)
+                        tl.store(part_row, key, mask=dmask)
+                    else:
+                        tl.store(part_row, tl.load(part_row, mask=dmask, other=0.0) + key, mask=dmask)
+                if h == 0:
+                    if offset == 0:
+                        tl.store(made_at_ptr + fold_block, tl.load(epochs_ptr + fold_block))
+                        tt = tl.arange(0, BSP)
+                        tl.store(probe_ptr + fold_block * BS + tt, tl.full((BSP,), float("nan"), tl.float32),
+                                 mask=tt < BS)
+                    if PROBE:
+                        if offset == BS - 1:
+                            tt = tl.arange(0, BSP)
+                            probe = tl.load(kv_ptr + fold_block * kv_s0 + tt * kv_s1 + (tt % D), mask=tt < BS)
+                            seen_start = tl.load(made_at_ptr + fold_block) == tl.load(epochs_ptr + fold_block)
+                            probe = tl.where(seen_start, probe.to(tl.float32), float("nan"))
+                            tl.store(probe_ptr + fold_block * BS + tt, probe, mask=tt < BS)
+        start = offset == 0
         if BOUND:
             rows = minmax_ptr + block[:, None] * (H * 2 * D) + h * (2 * D) + d[None, :]
             kmax = tl.load(rows, mask=vd, other=0.0)
             kmin = tl.load(rows + D, mask=vd, other=0.0)
+            if FOLD:
+                kmax = tl.where(here[:, None], tl.where(start, key[None, :], tl.maximum(kmax, key[None, :])), kmax)
+                kmin = tl.where(here[:, None], tl.where(start, key[None, :], tl.minimum(kmin, key[None, :])), kmin)
+                write = here[:, None] & dmask[None, :]
+                tl.store(rows, kmax, mask=write)
+                tl.store(rows + D, kmin, mask=write)
             qpos = tl.maximum(q, 0.0)
             qneg = tl.minimum(q, 0.0)
             logit = tl.sum(qpos[:, None, :] * kmax[None, :, :] + qneg[:, None, :] * kmin[None, :, :], axis=2)
@@ -135,6 +185,11 @@ if triton is not None:
             for p in tl.static_range(P):
                 rows = sum_ptr + (block[:, None] * P + p) * (H * D) + h * D + d[None, :]
                 summ = tl.load(rows, mask=vd, other=0.0)                          # [TJ, DP]
+                if FOLD:
+                    ours = here & (offset // PS == p)
+                    summ = tl.where(here[:, None] & start, 0.0, summ)
+                    summ = tl.where(ours[:, None], summ + key[None, :], summ)
+                    tl.store(rows, summ, mask=here[:, None] & dmask[None, :])
                 dot = tl.sum(q[:, None, :] * summ[None, :, :], axis=2)             # [GP, TJ]
                 count = tl.minimum(tl.maximum(fill - p * PS, 0), PS).to(tl.float32)
                 lp = dot * (scale / tl.maximum(count, 1.0))[None, :] + tl.log(count)[None, :]
@@ -154,8 +209,8 @@ if triton is not None:
     @triton.jit
     def _select_kernel(logits_ptr, width, num_rows, qsl_ptr, seq_ptr, table_ptr, table_s0,
                        keep_ptr, out_table_ptr, out_table_s0, out_seq_ptr, totals_ptr,
-                       BS: tl.constexpr, HQ: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-                       SINK: tl.constexpr, LOCAL: tl.constexpr):
+                       BS: tl.constexpr, HQ: tl.constexpr, HB: tl.constexpr, WP: tl.constexpr,
+                       RP: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr):
         r = tl.program_id(0)
         qlen = tl.load(qsl_ptr + r + 1) - tl.load(qsl_ptr + r)
         seq = tl.load(seq_ptr + r).to(tl.int64)
@@ -179,28 +234,91 @@ if triton is not None:
         if thin:
             j = tl.arange(0, WP)
             valid = j < n
+            # Soft-max of each query head over the row's blocks, averaged over
+            # heads: HB heads at a time, so that the reductions run side by side.
             share = tl.zeros((WP,), tl.float32)
-            for hq in range(HQ):
-                logit = tl.load(logits_ptr + (r * HQ + hq) * width + j, mask=j < width, other=float("-inf"))
-                e = tl.exp(logit - tl.max(logit, axis=0))
-                share += e / tl.sum(e, axis=0)
+            hb = tl.arange(0, HB)
+            for h0 in range(0, HQ, HB):
+                heads = h0 + hb
+                logit = tl.load(logits_ptr + (r * HQ + heads[:, None]) * width + j[None, :],
+                                mask=(heads[:, None] < HQ) & (j[None, :] < width), other=float("-inf"))
+                e = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+                e = e / tl.sum(e, axis=1)[:, None]
+                share += tl.sum(tl.where(heads[:, None] < HQ, e, 0.0), axis=0)
             score = share / HQ
             forced = ((j < SINK) | (j >= n - LOCAL)) & valid
             score = tl.where(forced, float("inf"), score)
             score = tl.where(valid, score, float("-inf"))
-            # Sort (score, position) as one integer: the float's bits made
-            # monotonic, then the position reversed so that ties go to the
-            # earlier block.
+            # The budget's worth of best positions without sorting: the
+            # float's bits made monotonic, the keep-th largest found bit by
+            # bit (a count per bit), ties at it taken lowest position first.
             bits = score.to(tl.int32, bitcast=True)
             bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            order = (bits.to(tl.int64) << 32) | (WP - 1 - j).to(tl.int64)
-            order = tl.sort(order, descending=True)
-            best = (WP - 1 - (order & 0xFFFFFFFF)).to(tl.int32)
-            i = tl.arange(0, WP)
-            chosen = tl.sort(tl.where(i < keep, best, WP))
-            picked = i < keep
-            blocks = tl.load(table_ptr + r * table_s0 + chosen, mask=picked, other=0)
-            tl.store(out_table_ptr + r * out_table_s0 + i, blocks, mask=picked)
+            key = bits.to(tl.int64) + 2147483648                               # 0 .. 2**32 - 1
+            edge = keep * 0
+            for b in tl.static_range(32):
+                trial = edge | (1 << (31 - b))
+                edge = tl.where(tl.sum((key >= trial).to(tl.int32), axis=0) >= keep, trial, edge)
+            above = key > edge
+            tie = key == edge
+            room = keep - tl.sum(above.to(tl.int64), axis=0)
+            chosen = above | (tie & (tl.cumsum(tie.to(tl.int64), axis=0) <= room))
+            # In position order: each chosen position's rank among the chosen.
+            slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+            blocks = tl.load(table_ptr + r * table_s0 + j, mask=chosen, other=0)
+            tl.store(out_table_ptr + r * out_table_s0 + slot, blocks, mask=chosen)
+
+
+class _Launcher:
+    """Launches a ``@triton.jit`` kernel.  Triton's own launch path works out
+    the kernel's specialisation from every argument at every call, which at
+    decode sizes costs more than the kernel runs; after a first launch
+    through it, the compiled kernel is kept under a key at least as fine as
+    Triton's (each tensor's dtype and 16-byte alignment; each integer's
+    width, divisibility by 16 and equality to 1; the constexprs) and
+    launched directly.  Triton's path is kept where a launch hook is set
+    (profilers) or the kernel has no compiled form (the interpreter)."""
+
+    fast = True          # benchmarks turn it off to compare
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        params = getattr(fn, "params", None)
+        self.params = None if params is None else [(p.name, p.is_constexpr) for p in params]
+        self.compiled: dict[tuple, object] = {}
+
+    @staticmethod
+    def _spec(arg) -> tuple:
+        if isinstance(arg, torch.Tensor):
+            return (arg.dtype, arg.data_ptr() % 16 == 0)
+        if isinstance(arg, bool):
+            return ("b", arg)
+        if isinstance(arg, int):
+            return ("i", arg == 1, arg % 16 == 0, -2 ** 31 <= arg < 2 ** 31, -2 ** 63 <= arg < 2 ** 63)
+        return (type(arg).__name__,)
+
+    def __call__(self, grid: tuple, *args, num_warps: int, **constexprs) -> None:
+        key = (num_warps, tuple(constexprs.items()), tuple(map(self._spec, args)))
+        kernel = self.compiled.get(key) if _Launcher.fast else None
+        knobs = getattr(triton, "knobs", None)
+        hooked = knobs is None or knobs.runtime.launch_enter_hook is not None \
+            or knobs.runtime.launch_exit_hook is not None
+        if kernel is None or hooked:
+            kernel = self.fn[grid](*args, num_warps=num_warps, **constexprs)
+            if self.params is not None and hasattr(kernel, "packed_metadata"):
+                self.compiled[key] = kernel
+            return
+        values = iter(args)
+        full = [constexprs[name] if is_constexpr else next(values) for name, is_constexpr in self.params]
+        stream = torch.cuda.current_stream(args[0].device).cuda_stream
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                   kernel.function, kernel.packed_metadata, None, None, None, *full)
+
+
+if triton is not None:
+    _fold_launch = _Launcher(_fold_decode_kernel)
+    _logits_launch = _Launcher(_block_logits_kernel)
+    _select_launch = _Launcher(_select_kernel)
 
 
 _DUMMY: dict[torch.device, torch.Tensor] = {}
@@ -212,6 +330,14 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return _DUMMY[device]
 
 
+def _key_view(pages):
+    """The pages' token-major key view and whether probes can be read from it."""
+    view = pages.key_view() if pages is not None else None
+    if view is None or view.stride(3) != 1:
+        return None
+    return view
+
+
 def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: torch.Tensor, pages) -> None:
     """``LayerSummaries.add_keys`` for a decode-only call (at most one new
     token per block), in one launch."""
@@ -219,46 +345,63 @@ def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: to
     if num_tokens == 0:
         return
     assert key.stride(2) == 1, "keys must be contiguous along the head dimension"
-    view = pages.key_view() if pages is not None else None
-    probe = view is not None and view.stride(3) == 1
+    view = _key_view(pages)
     device = key.device
-    kv = view if probe else _dummy(device)
+    kv = view if view is not None else _dummy(device)
     h, d = layer.num_kv_heads, layer.head_size
-    _fold_decode_kernel[(num_tokens,)](
-        key, key.stride(0), key.stride(1), slot_mapping, epochs, layer.made_at,
+    _fold_launch(
+        (num_tokens,), key, key.stride(0), key.stride(1), slot_mapping, epochs, layer.made_at,
         layer.part_sum, layer.minmax if layer.minmax is not None else _dummy(device), layer.probe,
-        kv, kv.stride(0) if probe else 0, kv.stride(1) if probe else 0,
-        BS=layer.block_size, BSP=_pow2(layer.block_size), H=h, HP=_pow2(h), D=d, DP=_pow2(d), P=layer.parts, PS=layer.part_size,
-        BOUNDS=layer.minmax is not None, PROBE=probe, num_warps=1)
+        kv, kv.stride(0) if view is not None else 0, kv.stride(1) if view is not None else 0,
+        BS=layer.block_size, BSP=_pow2(layer.block_size), H=h, HP=_pow2(h), D=d, DP=_pow2(d), P=layer.parts,
+        PS=layer.part_size, BOUNDS=layer.minmax is not None, PROBE=view is not None, num_warps=1)
 
 
 def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_blocks: int, local_blocks: int,
                      bound: bool, query_in_order: bool, out_table: torch.Tensor, out_seq_lens: torch.Tensor,
-                     totals: torch.Tensor, tile: int = 32) -> None:
+                     totals: torch.Tensor, logits: torch.Tensor, fold: tuple | None = None,
+                     tile: int = 32) -> None:
     """Score every block of every row and write the selection into
     ``out_table`` (chosen blocks of thinned rows, first columns) and
     ``out_seq_lens`` (every row); two launches.  ``keep`` is the budget by
-    block count (a lookup table of at least ``width + 1`` entries)."""
+    block count (a lookup table of at least ``width + 1`` entries);
+    ``logits`` a ``[rows, query heads, width]`` fp32 scratch.  With ``fold``
+    = ``(epochs,)`` (decode-only calls) the first launch also folds the new
+    keys into the summaries, as ``fold_decode`` would."""
     query = batch.query
     rows = batch.seq_lens.shape[0]
     num_heads, h, d = query.shape[1], batch.num_kv_heads, batch.head_size
     assert query.stride(2) == 1, "queries must be contiguous along the head dimension"
     group = num_heads // h
-    logits = torch.empty((rows, num_heads, width), dtype=torch.float32, device=query.device)
+    device = query.device
     table = batch.block_table
     if bound:
-        summaries, minmax, parts, part_size = _dummy(query.device), layer.minmax, 1, layer.block_size
+        summaries, minmax, parts, part_size = layer.part_sum, layer.minmax, layer.parts, layer.part_size
     else:
-        summaries, minmax, parts, part_size = layer.part_sum, _dummy(query.device), layer.parts, layer.part_size
-    _block_logits_kernel[(rows, h, triton.cdiv(width, tile))](
+        summaries, minmax, parts, part_size = layer.part_sum, _dummy(device), layer.parts, layer.part_size
+    if fold is not None:
+        (epochs,) = fold
+        key, slots = batch.key, batch.slot_mapping
+        assert key.stride(2) == 1, "keys must be contiguous along the head dimension"
+        view = _key_view(batch.pages)
+        kv = view if view is not None else _dummy(device)
+        fold_args = (key, key.stride(0), key.stride(1), slots, epochs, layer.made_at, layer.probe,
+                     kv, kv.stride(0) if view is not None else 0, kv.stride(1) if view is not None else 0)
+    else:
+        view = None
+        dummy = _dummy(device)
+        fold_args = (dummy, 0, 0, dummy, dummy, dummy, dummy, dummy, 0, 0)
+    _logits_launch(
+        (rows, h, -(-width // tile)),
         query, query.stride(0), query.stride(1), batch.query_start_loc, batch.seq_lens, table, table.stride(0),
-        summaries, minmax, logits, width, float(batch.scale),
-        BS=batch.block_size, H=h, G=group, GP=_pow2(group), D=d, DP=_pow2(d), P=parts, PS=part_size,
-        TJ=tile, BOUND=bound, Q_IN_ORDER=query_in_order, num_warps=4)
+        summaries, minmax, logits, width, float(batch.scale), *fold_args,
+        BS=batch.block_size, BSP=_pow2(batch.block_size), H=h, G=group, GP=_pow2(group), D=d, DP=_pow2(d),
+        P=parts, PS=part_size, TJ=tile, BOUND=bound, Q_IN_ORDER=query_in_order, FOLD=fold is not None,
+        PROBE=view is not None, num_warps=4)
     width_pow2 = max(16, _pow2(width))
     assert keep.numel() >= width_pow2 + 1
-    _select_kernel[(rows,)](
-        logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
+    _select_launch(
+        (rows,), logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
         keep, out_table, out_table.stride(0), out_seq_lens, totals,
-        BS=batch.block_size, HQ=num_heads, WP=width_pow2, RP=max(2, _pow2(rows)),
-        SINK=sink_blocks, LOCAL=local_blocks, num_warps=4 if width_pow2 <= 1024 else 8)
+        BS=batch.block_size, HQ=num_heads, HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
+        RP=max(2, _pow2(rows)), SINK=sink_blocks, LOCAL=local_blocks, num_warps=4 if width_pow2 <= 1024 else 8)
