@@ -334,6 +334,9 @@ def test_options_are_checked_together():
         validate({"method": "block_topk", "local_blocks": 0})
     with pytest.raises(SparseConfigError, match="score: expected 'mean' or 'bound'"):
         validate({"method": "block_topk", "score": "max"})
+    with pytest.raises(SparseConfigError, match="dense_below: expected a number of tokens >= 0"):
+        validate({"method": "block_topk", "dense_below": "8k"})
+    assert validate({"method": "block_topk", "dense_below": 16384})["dense_below"] == 16384
 
 
 def test_a_third_party_method_is_found_by_name():

@@ -377,29 +377,82 @@ def test_a_decode_layer_call_on_cuda_never_synchronises(kernels):
 
 # -- dense below the crossover ---------------------------------------------------------------
 
+def _decode(reqs: Requests, layer: str, step: int, back: int) -> AttentionBatch:
+    """A decode step over everything but the last ``back`` tokens of each request."""
+    lens = [n - back for n in reqs.lens]
+    return reqs._batch(layer, step, [(n - 1, n) for n in lens], lens, range(len(lens)))
+
+
 @pytest.mark.parametrize("device, kernels", PATHS)
-def test_below_dense_below_a_call_is_left_dense_and_its_keys_still_summarized(device, kernels):
-    reqs = Requests(device, [900, 600, 1200], [1, 1, 1], seed=3)
-    method = _method({"keep_ratio": 0.25, "dense_below": 1201}, kernels)
-    reqs.start(method)
-    assert method.before_attention(reqs.step("layers.0", step=2)) is None      # longest row: 1,200
-    stats = method.stats()
-    assert stats.sparse_rows == 0 and stats.blocks_read == stats.blocks_dense == 57 + 38 + 75
-    # Lowered, the same cache is thinned, from summaries kept while dense.
-    method.options = BlockTopKOptions.parse({"keep_ratio": 0.25, "dense_below": 1200})
-    method._thin_from = method.options.thin_from()
-    batch = reqs.step("layers.0", step=3)
-    selection = method.before_attention(batch)
-    assert selection is not None and method.stats().sparse_rows == 3
-    rows, real = _differences(selection, _reference(method.options, method._layers["layers.0"], batch), batch)
+def test_below_dense_below_a_call_costs_nothing_and_the_summaries_catch_up_from_the_pages(device, kernels):
+    reqs = Requests(device, [900, 600, 1200], [4, 4, 4], seed=3)
+    lazy = _method({"keep_ratio": 0.25, "dense_below": 1198}, kernels)
+    eager = _method({"keep_ratio": 0.25, "dense_below": 0}, kernels)
+    for m in (lazy, eager):
+        reqs.start(m)
+    info = StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids))
+    for step, back in ((2, 3), (3, 2)):                    # longest rows 1,197 and 1,198
+        batch = _decode(reqs, "layers.0", step, back)
+        for m in (lazy, eager):
+            m.begin_step(info)
+        log = OpLog()
+        with log:
+            skipped = lazy.before_attention(batch)
+        eager.before_attention(dataclasses.replace(batch))
+        assert log.syncing == []
+        if step == 2:
+            assert skipped is None
+    assert skipped is not None                             # 1,198: thinned again
+    stats = lazy.stats()
+    assert stats.sparse_rows == 3 and stats.blocks_dense == 2 * (57 + 38 + 75)
+    # The rebuilt summaries are the folded ones (to rounding), so the choice is too.
+    a, b = lazy._layers["layers.0"], eager._layers["layers.0"]
+    used = torch.cat([torch.tensor(t) for t in reqs.tables])
+    assert torch.allclose(a.part_sum[used], b.part_sum[used], atol=1e-4)
+    rows, real = _differences(skipped, _reference(eager.options, b, batch), batch)
     assert rows == 3 and real == 0
+
+
+def test_a_request_that_wrote_keys_while_calls_were_dense_keeps_the_layers_rebuilding_until_covered():
+    reqs = Requests("cpu", [900, 600, 1200], [4, 4, 4], seed=3)
+    method = _method({"keep_ratio": 0.25, "dense_below": 1198}, "torch")
+    reqs.start(method)
+    # "rX" runs in the dense step, then is not scheduled in the next one.
+    method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids) | {"rX"}))
+    assert method.before_attention(_decode(reqs, "layers.0", 2, 3)) is None
+    layer = method._layers["layers.0"]
+    assert layer.behind
+    method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+    assert method.before_attention(_decode(reqs, "layers.0", 3, 2)) is not None
+    assert layer.behind                                  # rX's keys are still unfolded
+    method.begin_step(StepInfo(16, finished_req_ids=frozenset({"rX"}), scheduled_req_ids=frozenset(reqs.req_ids)))
+    assert method.before_attention(_decode(reqs, "layers.0", 4, 1)) is not None
+    assert not layer.behind
+
+
+def test_a_call_left_dense_dispatches_nothing_beyond_its_counters():
+    reqs = Requests("cpu", [900, 600, 1200], [1, 1, 1], seed=3)
+    method = _method({"keep_ratio": 0.25, "dense_below": 4096}, "torch")
+    reqs.start(method, layers=("layers.0", "layers.1"))
+    step = reqs.step("layers.0", step=2)
+    first, later = OpLog(), OpLog()
+    with first:
+        assert method.before_attention(step) is None
+    with later:
+        assert method.before_attention(dataclasses.replace(step, layer_name="layers.1")) is None
+    assert later.ops == [] and first.syncing == []
+    assert method.stats().blocks_read == method.stats().blocks_dense == 2 * (57 + 38 + 75)
 
 
 def test_the_default_crossover_is_per_device():
     from ucm_connector.sparse.block_topk import DENSE_BELOW_DEFAULT
 
     assert DENSE_BELOW_DEFAULT["cpu"] == 0            # benchmarks/RESULTS.md: sparse pays from 2k at batch 8
-    assert DENSE_BELOW_DEFAULT["cuda"] >= 0
+    assert DENSE_BELOW_DEFAULT["cuda"] == 32768       # ... and on an H100, eagerly, from above 16k
+    reqs = Requests("cpu", [900, 600, 1200], [1, 1, 1], seed=3)
+    method = _method({"keep_ratio": 0.25}, "torch")
+    reqs.start(method)
+    assert method.before_attention(reqs.step("layers.0", step=2)) is not None    # CPU: no threshold
 
 
 # -- steps -----------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ Options (``"sparse": {"method": "block_topk", ...}``):
   short contexts the selection costs more than it saves);
 * ``dense_below`` (tokens; default: the device's measured crossover,
   ``DENSE_BELOW_DEFAULT``): a layer call whose longest row is shorter stays
-  dense as a whole, without scoring anything (the summaries are still kept
-  up to date, so that longer contexts can be thinned later).
+  dense as a whole and costs nothing: it neither scores nor folds its keys;
+  the first call at or above the threshold rebuilds the summaries of the
+  blocks its rows read from their pages (one read of those keys per layer).
 
 A request whose budget covers all its blocks reads them all (no sparsity):
 short requests are exactly dense.  Prefill and chunked-prefill rows (more
@@ -59,11 +60,16 @@ from .base import AttentionBatch, BlockSelection, SparseConfigError, SparseMetho
 from .summaries import BlockEpochs, LayerSummaries, WritePlan, to_device
 
 # Below this longest-row length (tokens) a layer call is left dense: the
-# selection's fixed cost is more than the reads it saves.  Measured with
-# benchmarks/gpu_sparse_bench.py (CUDA: H100, batch 8, Llama-3-8B shapes,
-# keep 1/4) and benchmarks/sparse_bench.py (CPU: sparse pays at 2k tokens
-# and batch 8 already); see benchmarks/RESULTS.md.
-DENSE_BELOW_DEFAULT = {"cuda": 0, "cpu": 0}
+# selection's fixed cost is more than the reads it saves.  CUDA: on an H100
+# (benchmarks/gpu_sparse_bench.py, batch 8, Llama-3-8B shapes, keep 1/4) a
+# layer's hook + attention over the kept blocks, issued eagerly back to back,
+# beat dense attention at 32k (0.62x) but not at 16k (1.47x): the hook's
+# host time (~110-200 µs a call) dominates below that.  Counting device time
+# alone it gains from 4k (0.85x), so where the host keeps ahead of the GPU
+# (the rest of the layer in CUDA graphs) a lower value pays.  CPU: sparse
+# decode pays from 2k tokens at batch 8 (benchmarks/sparse_bench.py).  See
+# benchmarks/RESULTS.md.
+DENSE_BELOW_DEFAULT = {"cuda": 32768, "cpu": 0}
 
 # Order of the counters kept on the device (SparseStats' fields).
 _STATS = ("layer_calls", "decode_rows", "sparse_rows", "blocks_read", "blocks_dense",
@@ -192,6 +198,10 @@ class BlockTopK(SparseMethod):
         self._no_pages = False
         self._refresh: _PendingBlocks | None = None
         self._copies: _PendingBlocks | None = None
+        # Requests scheduled in steps left dense by dense_below whose keys no
+        # rebuild has covered yet, and this step's requests (None: unknown).
+        self._skipped: set[str] = set()
+        self._step_reqs: set[str] | None = None
         self._keep_tables: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @classmethod
@@ -244,6 +254,8 @@ class BlockTopK(SparseMethod):
             self._epochs.bump(dst for _, dst in step.block_copies)
             self._copies = _PendingBlocks([src for src, _ in step.block_copies],
                                           [dst for _, dst in step.block_copies])
+        self._step_reqs = None if step.scheduled_req_ids is None else set(step.scheduled_req_ids)
+        self._skipped -= step.finished_req_ids
         if step.scheduled_req_ids is None:
             self._unseen, self._census_due = None, False
         elif self._census_due:
@@ -301,9 +313,11 @@ class BlockTopK(SparseMethod):
         dense_below = self.options.dense_below
         if dense_below is None:
             dense_below = DENSE_BELOW_DEFAULT.get(batch.query.device.type, 0)
-        dense = (self._thin_from is None or width < self._thin_from or max_seq_len < dense_below
-                 or batch.key is None or batch.slot_mapping is None)
-        plan = self._plan = _StepPlan(key, batch, self.options, width, dense)
+        unthinnable = (self._thin_from is None or width < self._thin_from
+                       or batch.key is None or batch.slot_mapping is None)
+        below = not unthinnable and max_seq_len < dense_below
+        plan = self._plan = _StepPlan(key, batch, self.options, width, unthinnable or below)
+        plan.below_threshold = below
         return plan
 
     def _flush_plan(self) -> None:
@@ -328,12 +342,37 @@ class BlockTopK(SparseMethod):
         if batch.pages is None and not self._no_pages:
             self._no_pages = True
         self._apply_pending(layer, batch, epochs)
+        if plan.below_threshold and batch.pages is not None:
+            # Left dense for its length: not even the keys are folded (that
+            # would cost launches a dense call does not otherwise pay); the
+            # next thinned call rebuilds what its rows read from the pages.
+            layer.behind = True
+            if not plan.skip_noted:
+                plan.skip_noted = True
+                self._skipped |= self._step_reqs if self._step_reqs is not None else set()
+            plan.count_call(batch)
+            return None
         triton = self._use_triton(device)
         checking = self._checking()
+        has_keys = batch.key is not None and batch.slot_mapping is not None
+        if layer.behind and not plan.dense and batch.pages is not None:
+            t = plan.tensors(batch)
+            layer.rebuild(t.table, t.valid, t.fills, epochs, batch.pages)
+            has_keys = False                   # the pages already hold this call's keys
+            if not plan.skip_noted:
+                # Requests that wrote keys while calls were left dense and
+                # are not among this step's rows keep every layer rebuilding
+                # at its thinned calls until they have been (or have ended).
+                plan.skip_noted = True
+                if self._step_reqs is None:
+                    self._skipped.clear()
+                else:
+                    self._skipped -= self._step_reqs
+            layer.behind = bool(self._skipped)
         # A decode-only call on the Triton path folds its keys in the scoring
         # kernel (one launch fewer); otherwise the keys are folded first.
-        fused = triton and plan.decode_only and not plan.dense and not checking
-        if batch.key is not None and batch.slot_mapping is not None and not fused:
+        fused = triton and plan.decode_only and not plan.dense and not checking and has_keys
+        if has_keys and not fused:
             if triton and plan.decode_only:
                 triton_select.fold_decode(layer, batch.key, batch.slot_mapping, epochs, batch.pages)
             else:
@@ -491,6 +530,8 @@ class _StepPlan:
         self.width = width
         self.keep_max = options.keep_bound(width)
         self.dense = dense
+        self.below_threshold = False        # dense because of dense_below alone
+        self.skip_noted = False             # this step's requests counted as skipped / rebuilt
         self.decode_only = batch.max_query_len == 1
         self.calls = 0                      # calls whose counts are inc (added up at flush)
         self.inc: torch.Tensor | None = None

@@ -152,6 +152,9 @@ class LayerSummaries:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
+        # Keys went by unfolded (calls left dense below a length threshold):
+        # the blocks the next thinned call reads are rebuilt from their pages.
+        self.behind = False
 
     @property
     def num_blocks(self) -> int:
@@ -243,6 +246,25 @@ class LayerSummaries:
         self.probe.index_copy_(0, dst, self.probe.index_select(0, src))
         current = self.made_at.index_select(0, src) == epochs.index_select(0, src)
         self.made_at.index_copy_(0, dst, torch.where(current, epochs.index_select(0, dst), -1))
+
+    def rebuild(self, table: torch.Tensor, valid: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
+                pages) -> None:
+        """Summaries of every valid ``table`` entry (``fills`` tokens each)
+        made again from the pages, in shapes fixed by the table's: invalid
+        entries read block 0 and write the scratch row."""
+        flat, ok = table.flatten(), valid.flatten()
+        src = torch.where(ok, flat, 0)
+        dst = torch.where(ok, flat, self.trash)
+        fills = torch.where(ok, fills.flatten(), 0)
+        kmin, kmax, part_sum = self._from_pages(src, fills, pages)
+        self.part_sum.index_copy_(0, dst, part_sum)
+        if self.minmax is not None:
+            self.kmin.index_copy_(0, dst, kmin)
+            self.kmax.index_copy_(0, dst, kmax)
+        pad = torch.arange(self.block_size, device=src.device).unsqueeze(0) >= fills.unsqueeze(1)
+        self.probe.index_copy_(0, dst, pages.probe(src).to(self.probe.dtype).masked_fill(pad, float("nan")))
+        self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
+        self.behind = False
 
     def _from_pages(self, blocks: torch.Tensor, fills: torch.Tensor, pages):
         """min, max and slice sums of the first ``fills`` tokens of each block."""
