@@ -19,8 +19,8 @@ Llama-3-8B attention shapes by default (32 query / 8 KV heads of 128, bf16,
   (the host issues every launch, so this is the host's cost where it is the
   larger) and as one CUDA-graph replay per step (the device's work alone);
   host syncs per call (``torch.cuda.set_sync_debug_mode("warn")``) and
-  kernels per call (the profiler); through the Triton kernels, and at
-  ``--torch-at`` contexts through the torch path and Triton's own launch path;
+  kernels per call and their device time (the profiler); through the Triton
+  kernels, and at ``--torch-at`` contexts through the torch path;
 * *a layer's attention part*: dense attention alone (torch's SDPA over
   contiguous K/V of the whole context), against the hook followed by SDPA
   over a quarter of the context (what FlashAttention costs reading the kept
@@ -362,10 +362,8 @@ def _per_layer(fn, steps: int, graph: bool = True) -> dict:
     return out
 
 
-def measure_selection(work: Workload, kernels: str, steps: int, compare_launch: bool) -> dict:
+def measure_selection(work: Workload, kernels: str, steps: int) -> dict:
     """The hook alone, per layer call."""
-    from ucm_connector.sparse.triton_select import _Launcher
-
     method = _method(kernels, work.s.keep_ratio)
     step = Stepper(work, method)
     out = {"kernels": kernels}
@@ -380,12 +378,6 @@ def measure_selection(work: Workload, kernels: str, steps: int, compare_launch: 
     if launched is not None:
         out["kernels_per_call"] = launched[0] / LAYERS_PER_STEP
         out["kernel_us_per_call"] = {k: v / LAYERS_PER_STEP for k, v in launched[1].items()}
-    if compare_launch and kernels == "triton":
-        _Launcher.fast = False
-        try:
-            out["eager_ms_triton_launch"] = _events_ms(step, steps) / LAYERS_PER_STEP
-        finally:
-            _Launcher.fast = True
     fold = Stepper(work, _method(kernels, work.s.keep_ratio, dense_below=1 << 30))
     out["fold_only_eager_ms"] = _events_ms(fold, steps) / LAYERS_PER_STEP
     selection = step()
@@ -510,7 +502,7 @@ def run_context(shapes: Shapes, context: int, args, partial: list[dict]) -> dict
         if k == "torch" and context not in args.torch_at:
             continue
         try:
-            sel = measure_selection(work, k, args.steps, compare_launch=context in args.torch_at)
+            sel = measure_selection(work, k, args.steps)
             method = sel.pop("method")
             selection = sel.pop("selection")
             res[k] = sel
@@ -611,7 +603,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--keep-ratio", type=float, default=0.25)
     ap.add_argument("--paths", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
     ap.add_argument("--torch-at", type=int, nargs="*", default=[8192, 32768],
-                    help="contexts at which the torch path, and Triton's own launch path, are timed too")
+                    help="contexts at which the torch path is timed too")
     ap.add_argument("--skip-cpu-check", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)

@@ -269,56 +269,10 @@ if triton is not None:
             tl.store(out_table_ptr + r * out_table_s0 + slot, blocks, mask=chosen)
 
 
-class _Launcher:
-    """Launches a ``@triton.jit`` kernel.  Triton's own launch path works out
-    the kernel's specialisation from every argument at every call, which at
-    decode sizes costs more than the kernel runs; after a first launch
-    through it, the compiled kernel is kept under a key at least as fine as
-    Triton's (each tensor's dtype and 16-byte alignment; each integer's
-    width, divisibility by 16 and equality to 1; the constexprs) and
-    launched directly.  Triton's path is kept where a launch hook is set
-    (profilers) or the kernel has no compiled form (the interpreter)."""
-
-    fast = True          # benchmarks turn it off to compare
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-        params = getattr(fn, "params", None)
-        self.params = None if params is None else [(p.name, p.is_constexpr) for p in params]
-        self.compiled: dict[tuple, object] = {}
-
-    @staticmethod
-    def _spec(arg) -> tuple:
-        if isinstance(arg, torch.Tensor):
-            return (arg.dtype, arg.data_ptr() % 16 == 0)
-        if isinstance(arg, bool):
-            return ("b", arg)
-        if isinstance(arg, int):
-            return ("i", arg == 1, arg % 16 == 0, -2 ** 31 <= arg < 2 ** 31, -2 ** 63 <= arg < 2 ** 63)
-        return (type(arg).__name__,)
-
-    def __call__(self, grid: tuple, *args, num_warps: int, **constexprs) -> None:
-        key = (num_warps, tuple(constexprs.items()), tuple(map(self._spec, args)))
-        kernel = self.compiled.get(key) if _Launcher.fast else None
-        knobs = getattr(triton, "knobs", None)
-        hooked = knobs is None or knobs.runtime.launch_enter_hook is not None \
-            or knobs.runtime.launch_exit_hook is not None
-        if kernel is None or hooked:
-            kernel = self.fn[grid](*args, num_warps=num_warps, **constexprs)
-            if self.params is not None and hasattr(kernel, "packed_metadata"):
-                self.compiled[key] = kernel
-            return
-        values = iter(args)
-        full = [constexprs[name] if is_constexpr else next(values) for name, is_constexpr in self.params]
-        stream = torch.cuda.current_stream(args[0].device).cuda_stream
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                   kernel.function, kernel.packed_metadata, None, None, None, *full)
-
-
 if triton is not None:
-    _fold_launch = _Launcher(_fold_decode_kernel)
-    _logits_launch = _Launcher(_block_logits_kernel)
-    _select_launch = _Launcher(_select_kernel)
+    _fold_launch = _fold_decode_kernel.__getitem__
+    _logits_launch = _block_logits_kernel.__getitem__
+    _select_launch = _select_kernel.__getitem__
 
 
 _DUMMY: dict[torch.device, torch.Tensor] = {}
@@ -349,8 +303,8 @@ def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: to
     device = key.device
     kv = view if view is not None else _dummy(device)
     h, d = layer.num_kv_heads, layer.head_size
-    _fold_launch(
-        (num_tokens,), key, key.stride(0), key.stride(1), slot_mapping, epochs, layer.made_at,
+    _fold_launch((num_tokens,))(
+        key, key.stride(0), key.stride(1), slot_mapping, epochs, layer.made_at,
         layer.part_sum, layer.minmax if layer.minmax is not None else _dummy(device), layer.probe,
         kv, kv.stride(0) if view is not None else 0, kv.stride(1) if view is not None else 0,
         BS=layer.block_size, BSP=_pow2(layer.block_size), H=h, HP=_pow2(h), D=d, DP=_pow2(d), P=layer.parts,
@@ -391,8 +345,7 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
         view = None
         dummy = _dummy(device)
         fold_args = (dummy, 0, 0, dummy, dummy, dummy, dummy, dummy, 0, 0)
-    _logits_launch(
-        (rows, h, -(-width // tile)),
+    _logits_launch((rows, h, -(-width // tile)))(
         query, query.stride(0), query.stride(1), batch.query_start_loc, batch.seq_lens, table, table.stride(0),
         summaries, minmax, logits, width, float(batch.scale), *fold_args,
         BS=batch.block_size, BSP=_pow2(batch.block_size), H=h, G=group, GP=_pow2(group), D=d, DP=_pow2(d),
@@ -400,8 +353,8 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
         PROBE=view is not None, num_warps=4)
     width_pow2 = max(16, _pow2(width))
     assert keep.numel() >= width_pow2 + 1
-    _select_launch(
-        (rows,), logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
+    _select_launch((rows,))(
+        logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
         keep, out_table, out_table.stride(0), out_seq_lens, totals,
         BS=batch.block_size, HQ=num_heads, HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
         RP=max(2, _pow2(rows)), SINK=sink_blocks, LOCAL=local_blocks, num_warps=4 if width_pow2 <= 1024 else 8)
