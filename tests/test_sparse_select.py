@@ -444,6 +444,19 @@ def test_a_call_left_dense_dispatches_nothing_beyond_its_counters():
     assert method.stats().blocks_read == method.stats().blocks_dense == 2 * (57 + 38 + 75)
 
 
+def test_counters_made_under_inference_mode_are_read_and_reset_outside_it():
+    # vLLM runs the forward under torch.inference_mode(); stats() and
+    # reset_stats() come from outside it.
+    reqs = Requests("cpu", [900, 600], [1, 1], seed=2)
+    method = _method({"keep_ratio": 0.25}, "torch")
+    with torch.inference_mode():
+        reqs.start(method)
+        method.before_attention(reqs.step("layers.0", step=2))
+    assert method.stats().sparse_rows == 2
+    method.reset_stats()
+    assert method.stats().sparse_rows == 0
+
+
 def test_the_default_crossover_is_per_device():
     from ucm_connector.sparse.block_topk import DENSE_BELOW_DEFAULT
 

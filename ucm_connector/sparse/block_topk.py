@@ -220,7 +220,8 @@ class BlockTopK(SparseMethod):
         self._flush_plan()
         self._host_stats = SparseStats()
         if self._totals is not None:
-            self._totals.zero_()
+            with torch.inference_mode():
+                self._totals.zero_()
 
     # -- step ----------------------------------------------------------------
 
@@ -324,7 +325,10 @@ class BlockTopK(SparseMethod):
         """Add the counts of the plan's calls counted on the host."""
         plan = self._plan
         if plan is not None and plan.calls and plan.inc is not None:
-            self._totals += plan.inc * plan.calls
+            # The counters are made during vLLM's forward, as inference
+            # tensors; stats() may come from outside it.
+            with torch.inference_mode():
+                self._totals += plan.inc * plan.calls
             plan.calls = 0
 
     def _use_triton(self, device: torch.device) -> bool:
