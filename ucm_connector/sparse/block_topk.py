@@ -37,9 +37,9 @@ host-side facts the patch passes in ``AttentionBatch`` (number of rows, the
 longest row, the step index), every row is scored and the rows that are not
 thinned are put back with ``where`` instead of being filtered out, and
 counters stay on the device until ``stats()`` is read.  On CUDA with Triton
-a decode layer call is three kernels (``triton_select.py``): fold the new
-keys into the summaries, score every block through the block table, and
-soft-max / top-k / sort / write the selection per row.  The torch path
+a decode layer call is two kernels (``triton_select.py``): score every block
+through the block table while folding the new keys into the summaries, then
+soft-max / top-k / order / write the selection per row.  The torch path
 (CPU, or CUDA without Triton) computes the same selection with a few dozen
 ops, also without waiting.  Only two rare situations wait: the steps after
 the method starts while requests are already running (their earlier keys

@@ -10,11 +10,17 @@ put there by someone else (vLLM's prefix cache, a KV connector's load, a
 block copy, or anything written while no method was active) are told apart
 by epochs: the step hook bumps a block's epoch when its content comes from
 outside, and a layer's summary of a block is trusted only while it was made
-at the block's current epoch.  A stale summary is checked, the first time a
-decode step needs it, against one key element per token read from the page
-when the block was completed (``probe``): a block refilled with the same keys
-(a prefix-cache hit, a store load of the same prefix) keeps its summary; any
-other is rebuilt from its page.
+at the block's current epoch.  A stale summary is checked against one key
+element per token read from the page when the block was completed
+(``probe``): a block refilled with the same keys (a prefix-cache hit, a store
+load of the same prefix) keeps its summary; any other is rebuilt from its
+page.  Blocks the step hook names are checked at that step, in shapes the
+host fixes (``refresh_known``, ``copy_blocks``); only blocks nobody named
+(written before the method started) are found by comparing epochs on the
+device (``stale`` / ``refresh``), which waits for it.
+
+Every update has a shape fixed by its inputs' shapes, never by their values:
+writes that must go nowhere go to a scratch row (see ``LayerSummaries``).
 
 Knows attention math and tensors; knows nothing of vLLM's classes.
 """

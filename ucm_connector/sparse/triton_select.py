@@ -1,22 +1,24 @@
-"""Triton kernels for ``block_topk`` on CUDA: a decode layer call in three
+"""Triton kernels for ``block_topk`` on CUDA: a decode layer call in two
 launches, none of which waits for the host or makes the host wait.
 
-* ``fold_decode``: fold each decode row's new key into its block's summary
-  (slice sums, min/max), restart a block at its first token, and take the
-  probe of a block its token completes, straight from the page.
 * ``score_and_select``: (1) one program per (row, KV head, tile of block
   positions) reads the summaries through the block table (no gathered copy)
   and writes ``scale * q . mean`` per query head and position, summed over a
-  block's slices in log space; (2) one program per row soft-maxes each query
-  head over the row's blocks, averages over heads, forces the sinks and the
-  local window, takes the top ``budget`` positions by sorting (score, position)
-  keys, sorts the chosen positions back into order and writes their block ids
-  and the new length, and adds the row's counts to the device counters.
+  block's slices in log space (Quest's bound with ``score: bound``); in a
+  decode-only call it first folds the row's new key into its last block's
+  summary, the one program that reads that row for that head; (2) one
+  program per row soft-maxes the query heads over the row's blocks (several
+  heads at a time), averages over heads, forces the sinks and the local
+  window, finds the budget's worth of best positions with a bitwise search
+  for the k-th score (no sort), writes their block ids in position order and
+  the new length, and adds the row's counts to the device counters.
+* ``fold_decode``: the fold alone, for decode calls that select nothing or
+  that the torch path selects.
 
 The math is ``block_topk._scores`` and ``before_attention``'s, step for step;
 only the floating-point order differs (blocks chosen can differ where two
 scores tie to rounding).  Shapes come from host-side facts: rows, the longest
-row's block count ``width``, and powers of two above it for the sort.
+row's block count ``width``, and a power of two above it per row.
 
 Knows tensors and the summaries' layout; nothing of vLLM.  Importing it
 without Triton is fine: ``available()`` says False.
