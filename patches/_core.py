@@ -21,6 +21,12 @@ class PatchError(RuntimeError):
 # The hooks the patched functions call; None = behave exactly like vLLM.
 hooks: Any = None
 
+# Model-runner steps begun since the process started (the step hook counts
+# them): handed to every layer call as ``AttentionBatch.step``, so that a
+# method tells a new step from the next layer of the same one without
+# looking at tensor identities.
+step_index: int = 0
+
 
 def vllm_version() -> str:
     from vllm import version

@@ -60,6 +60,11 @@ def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int
         head_size=impl.head_size,
         scale=impl.scale,
         pages=pages,
+        # Host-side: the step hook's count, and the bounds vLLM's metadata
+        # builder already worked out (no device read).
+        step=_core.step_index,
+        max_seq_len=md.max_seq_len,
+        max_query_len=md.max_query_len,
     )
 
 
@@ -141,7 +146,7 @@ def _check_cpu(owner: Any) -> list[str]:
 
     problems = fields_missing(cpu_attn.CPUAttentionMetadata, (
         "num_actual_tokens", "query_start_loc", "seq_lens", "block_table", "slot_mapping",
-        "scheduler_metadata", "causal", "dynamic_causal", "encoder_cache"))
+        "scheduler_metadata", "causal", "dynamic_causal", "encoder_cache", "max_seq_len", "max_query_len"))
     fn = getattr(ops, "cpu_attn_get_scheduler_metadata", None)
     want = ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype", "query_start_loc",
             "causal", "sliding_window_size", "isa", "enable_kv_split", "dynamic_causal", "kv_cache_dtype")
@@ -175,6 +180,9 @@ CPU_FORWARD = Patch(
 # logical view [num_blocks, num_kv_heads, block_size, 2 * head_size] with
 # per-token rows, so keys read back by plain indexing.
 
+_KEY_VIEWS: dict[tuple, Any] = {}
+
+
 class FlashKeyPages(KeyPages):
     """``KeyPages`` over FlashAttention's per-token page rows."""
 
@@ -184,6 +192,18 @@ class FlashKeyPages(KeyPages):
 
     def read(self, block_ids):
         return self._kv.index_select(0, block_ids).transpose(1, 2)[..., :self.head_size]
+
+    def key_view(self):
+        # One view per cache tensor, kept: a decode layer call should not pay
+        # for making it again (the patch builds a reader per call).
+        kv = self._kv
+        key = (kv.data_ptr(), kv.shape, kv.stride(), self.head_size)
+        view = _KEY_VIEWS.get(key)
+        if view is None:
+            if len(_KEY_VIEWS) > 1024:
+                _KEY_VIEWS.clear()
+            view = _KEY_VIEWS[key] = kv.transpose(1, 2)[..., :self.head_size]
+        return view
 
     def probe(self, block_ids):
         import torch
@@ -223,7 +243,7 @@ def _check_fa(owner: Any) -> list[str]:
 
     return fields_missing(flash_attn.FlashAttentionMetadata, (
         "num_actual_tokens", "query_start_loc", "seq_lens", "block_table", "slot_mapping",
-        "scheduler_metadata", "causal", "max_seq_len"))
+        "scheduler_metadata", "causal", "max_seq_len", "max_query_len"))
 
 
 FLASH_ATTN_FORWARD = Patch(

@@ -37,15 +37,18 @@ def step_info(runner: Any, scheduler_output: Any):
                                             cached.num_computed_tokens[i]))
     copies = tuple((c.src_block_id, c.dst_block_id)
                    for c in (getattr(scheduler_output, "kv_cache_block_copies", None) or ()))
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
     return StepInfo(block_size=runner.cache_config.block_size, started=tuple(started),
                     finished_req_ids=frozenset(scheduler_output.finished_req_ids),
-                    block_copies=copies)
+                    block_copies=copies,
+                    scheduled_req_ids=frozenset(scheduled) if scheduled is not None else None)
 
 
 def _make_execute_model(original: Callable) -> Callable:
     def execute_model(self, scheduler_output, *args, **kwargs):
         hooks = _core.hooks
         if hooks is not None:
+            _core.step_index += 1
             hooks.begin_step(step_info(self, scheduler_output))
         return original(self, scheduler_output, *args, **kwargs)
 
@@ -56,7 +59,7 @@ def _check(owner: Any) -> list[str]:
     from vllm.v1.core.sched import output
 
     problems = fields_missing(output.SchedulerOutput, (
-        "scheduled_new_reqs", "scheduled_cached_reqs", "finished_req_ids"))
+        "scheduled_new_reqs", "scheduled_cached_reqs", "finished_req_ids", "num_scheduled_tokens"))
     problems += fields_missing(output.NewRequestData, ("req_id", "block_ids", "num_computed_tokens"))
     problems += fields_missing(output.CachedRequestData, (
         "req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"))

@@ -87,11 +87,11 @@ def test_summaries_follow_written_keys_and_restart_at_offset_zero():
     epochs = BlockEpochs().get(8, torch.device("cpu"))
     s = LayerSummaries(8, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4)
     old = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16) * 10
-    s.add_keys(old, WritePlan(torch.arange(BLOCK) + 2 * BLOCK, BLOCK), epochs)   # another request's
+    s.add_keys(old, WritePlan(torch.arange(BLOCK) + 2 * BLOCK, BLOCK, s.trash, 1), epochs)   # another request's
     keys = torch.randn(200, KV_HEADS, HEAD).to(torch.bfloat16)
     slots = torch.tensor(_slots([5, 2], 0, 200))
-    s.add_keys(keys[:150], WritePlan(slots[:150], BLOCK), epochs)                 # a prefill chunk
-    s.add_keys(keys[150:], WritePlan(slots[150:], BLOCK), epochs)                 # the rest
+    s.add_keys(keys[:150], WritePlan(slots[:150], BLOCK, s.trash, 1), epochs)                 # a prefill chunk
+    s.add_keys(keys[150:], WritePlan(slots[150:], BLOCK, s.trash, 1), epochs)                 # the rest
     first, second = keys[:BLOCK].float(), keys[BLOCK:].float()
     assert torch.equal(s.kmin[5], first.amin(0)) and torch.equal(s.kmax[5], first.amax(0))
     assert torch.equal(s.kmin[2], second.amin(0)) and torch.equal(s.kmax[2], second.amax(0))
@@ -110,7 +110,7 @@ def test_blocks_filled_behind_the_forward_are_stale_until_rebuilt_from_their_pag
     pages = key_pages(cache.kv, "vec", HEAD, "auto")
     first = torch.randn(BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
     cache.write(first, first, _slots([4], 0, BLOCK))
-    s.add_keys(first, WritePlan(torch.arange(BLOCK) + 4 * BLOCK, BLOCK), epochs, pages)
+    s.add_keys(first, WritePlan(torch.arange(BLOCK) + 4 * BLOCK, BLOCK, s.trash, 1), epochs, pages)
     assert not s.probe[4].isnan().any()
     # A connector load puts other content in block 4 without a forward.
     loaded = torch.randn(100, KV_HEADS, HEAD).to(torch.bfloat16)
@@ -134,9 +134,9 @@ def test_a_block_refilled_with_the_same_keys_keeps_its_summary():
     cache.write(keys, keys, _slots([9], 0, BLOCK))
     pages = key_pages(cache.kv, "vec", HEAD, "auto")
     # Written in two steps; the second completes the block and takes its probe.
-    s.add_keys(keys[:100], WritePlan(torch.tensor(_slots([9], 0, 100)), BLOCK), epochs, pages)
+    s.add_keys(keys[:100], WritePlan(torch.tensor(_slots([9], 0, 100)), BLOCK, s.trash, 1), epochs, pages)
     assert s.probe[9].isnan().all()
-    s.add_keys(keys[100:], WritePlan(torch.tensor(_slots([9], 100, BLOCK)), BLOCK), epochs, pages)
+    s.add_keys(keys[100:], WritePlan(torch.tensor(_slots([9], 100, BLOCK)), BLOCK, s.trash, 1), epochs, pages)
     assert not s.probe[9].isnan().any()
     counter.bump([9])                   # a prefix-cache hit on block 9: same content
     epochs = counter.get(24, torch.device("cpu"))
@@ -334,6 +334,9 @@ def test_options_are_checked_together():
         validate({"method": "block_topk", "local_blocks": 0})
     with pytest.raises(SparseConfigError, match="score: expected 'mean' or 'bound'"):
         validate({"method": "block_topk", "score": "max"})
+    with pytest.raises(SparseConfigError, match="dense_below: expected a number of tokens >= 0"):
+        validate({"method": "block_topk", "dense_below": "8k"})
+    assert validate({"method": "block_topk", "dense_below": 16384})["dense_below"] == 16384
 
 
 def test_a_third_party_method_is_found_by_name():

@@ -55,6 +55,10 @@ class StepInfo:
     finished_req_ids: frozenset[str] = frozenset()
     # (src, dst) block ids whose content vLLM copies before the forward.
     block_copies: tuple[tuple[int, int], ...] = ()
+    # Every request the step runs (new, resumed and continuing ones); None
+    # when the caller cannot tell.  A method that starts while requests are
+    # already running learns from it which of them wrote keys it never saw.
+    scheduled_req_ids: frozenset[str] | None = None
 
 
 @dataclasses.dataclass
@@ -84,6 +88,16 @@ class AttentionBatch:
     # written; None when the backend's page packing cannot be read (the
     # method must then read those blocks rather than guess about them).
     pages: "KeyPages | None" = None
+    # Host-side facts vLLM already keeps beside the tensors: reading them
+    # costs no device synchronisation, and they fix the shapes of a layer
+    # call's work.  ``step`` counts model-runner steps (the same for every
+    # layer of a step, never repeated); ``max_seq_len`` / ``max_query_len``
+    # bound ``seq_lens`` and the query lengths (an upper bound is fine).
+    # None: unknown (a method then works them out, at a synchronisation, or
+    # treats every call as a step of its own).
+    step: int | None = None
+    max_seq_len: int | None = None
+    max_query_len: int | None = None
 
 
 class KeyPages(abc.ABC):
@@ -109,6 +123,13 @@ class KeyPages(abc.ABC):
         """One key element per token, ``[n, block_size]``: token t's element
         at kv head 0, dim ``t % head_size``.  Cheap; tells whether a block
         still holds the keys a summary was made from."""
+
+    def key_view(self) -> Any | None:
+        """The keys as a strided view ``[num_blocks, block_size,
+        num_kv_heads, head_size]`` of the cache itself (no copy), for
+        kernels that read pages directly; None where pages are packed
+        (the CPU backend) and only ``read`` can unpack them."""
+        return None
 
 
 @dataclasses.dataclass

@@ -10,11 +10,17 @@ put there by someone else (vLLM's prefix cache, a KV connector's load, a
 block copy, or anything written while no method was active) are told apart
 by epochs: the step hook bumps a block's epoch when its content comes from
 outside, and a layer's summary of a block is trusted only while it was made
-at the block's current epoch.  A stale summary is checked, the first time a
-decode step needs it, against one key element per token read from the page
-when the block was completed (``probe``): a block refilled with the same keys
-(a prefix-cache hit, a store load of the same prefix) keeps its summary; any
-other is rebuilt from its page.
+at the block's current epoch.  A stale summary is checked against one key
+element per token read from the page when the block was completed
+(``probe``): a block refilled with the same keys (a prefix-cache hit, a store
+load of the same prefix) keeps its summary; any other is rebuilt from its
+page.  Blocks the step hook names are checked at that step, in shapes the
+host fixes (``refresh_known``, ``copy_blocks``); only blocks nobody named
+(written before the method started) are found by comparing epochs on the
+device (``stale`` / ``refresh``), which waits for it.
+
+Every update has a shape fixed by its inputs' shapes, never by their values:
+writes that must go nowhere go to a scratch row (see ``LayerSummaries``).
 
 Knows attention math and tensors; knows nothing of vLLM's classes.
 """
@@ -24,9 +30,20 @@ from __future__ import annotations
 import torch
 
 
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host integers on ``device``.  On CUDA it goes
+    through pinned memory with a non-blocking copy: a plain ``torch.tensor(...,
+    device="cuda")`` copies from pageable memory and waits for the device."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class BlockEpochs:
     """One counter per cache block, shared by all layers; bumped when a
-    block's content is replaced behind the forward pass's back."""
+    block's content is replaced behind the forward pass's back.  One more
+    entry than there are blocks: the scratch row (see ``LayerSummaries``)."""
 
     def __init__(self) -> None:
         self.epochs: torch.Tensor | None = None
@@ -36,38 +53,56 @@ class BlockEpochs:
         self._pending.extend(int(b) for b in block_ids)
 
     def get(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        if self.epochs is None or self.epochs.numel() < num_blocks or self.epochs.device != device:
-            fresh = torch.zeros(num_blocks, dtype=torch.int64, device=device)
+        if self.epochs is None or self.epochs.numel() < num_blocks + 1 or self.epochs.device != device:
+            fresh = torch.zeros(num_blocks + 1, dtype=torch.int64, device=device)
             if self.epochs is not None:
-                n = min(num_blocks, self.epochs.numel())
+                n = min(num_blocks, self.epochs.numel() - 1)
                 fresh[:n] = self.epochs[:n].to(device)
             self.epochs = fresh
         if self._pending:
-            ids = torch.tensor(self._pending, dtype=torch.int64, device=device)
+            # Filtered here, on the host: a mask on the device would wait for it.
+            ids = [b for b in self._pending if 0 <= b < self.epochs.numel() - 1]
             self._pending.clear()
-            ids = ids[ids < self.epochs.numel()]
-            self.epochs.index_add_(0, ids, torch.ones_like(ids))
+            if ids:
+                ids_t = to_device(ids, device)
+                self.epochs.index_add_(0, ids_t, torch.ones_like(ids_t))
         return self.epochs
 
 
 class WritePlan:
     """Where one step's new keys go, by block: the same for every layer of
-    the step, so it is worked out once."""
+    the step, so it is worked out once.
 
-    def __init__(self, slot_mapping: torch.Tensor, block_size: int) -> None:
-        keep = slot_mapping >= 0
-        self.keep = None if bool(keep.all()) else keep
-        slots = (slot_mapping if self.keep is None else slot_mapping[keep]).to(torch.int64)
-        self.num_tokens = slots.numel()
-        self.blocks = torch.div(slots, block_size, rounding_mode="floor")
-        self.offsets = slots - self.blocks * block_size
-        self.starts = self.blocks[self.offsets == 0]
-        self.ends = self.blocks[self.offsets == block_size - 1]
-        self._index: torch.Tensor | None = None
+    Every tensor here has a shape fixed by the number of tokens, never by
+    their values, so that building and using the plan never waits for the
+    device: padding tokens (slot -1) and "no such block" entries point at
+    the scratch row ``trash`` instead of being filtered out."""
+
+    def __init__(self, slot_mapping: torch.Tensor, block_size: int, trash: int, num_reqs: int) -> None:
+        slots = slot_mapping.to(torch.int64)
+        written = slots >= 0
+        self.num_tokens = int(slots.shape[0])
+        self.blocks = torch.where(written, torch.div(slots, block_size, rounding_mode="floor"), trash)
+        self.offsets = torch.where(written, slots % block_size, 0)
+        self.starts = torch.where(written & (self.offsets == 0), self.blocks, trash)
+        ends = written & (self.offsets == block_size - 1)
+        # Blocks completed by these tokens take their probe from the page.
+        # A request's tokens are consecutive, so at most one token in
+        # block_size completes a block, plus one per request: pick that many
+        # entries (end tokens first) rather than a data-dependent count.
+        bound = min(self.num_tokens, self.num_tokens // block_size + num_reqs)
+        if bound < self.num_tokens:
+            order = torch.argsort((~ends).to(torch.uint8), stable=True)[:bound]
+            end_blocks, ends = self.blocks.index_select(0, order), ends.index_select(0, order)
+        else:
+            end_blocks = self.blocks
+        self.end_targets = torch.where(ends, end_blocks, trash)
+        self.end_sources = torch.where(ends, end_blocks, 0)      # any real block: read, then dropped
         self._parts: tuple[int, torch.Tensor] | None = None
+        self._index: torch.Tensor | None = None
 
     def parts(self, parts: int, part_size: int) -> torch.Tensor:
-        """Row of each token in a ``[num_blocks * parts]`` view."""
+        """Row of each token in a ``[(num_blocks + 1) * parts]`` view."""
         if self._parts is None or self._parts[0] != parts:
             self._parts = (parts, self.blocks * parts + torch.div(self.offsets, part_size, rounding_mode="floor"))
         return self._parts[1]
@@ -82,43 +117,58 @@ class WritePlan:
 class LayerSummaries:
     """What one layer knows of each cache block's keys, per KV head: the sum
     of the keys of each of the block's ``parts`` equal slices (``part_sum``
-    ``[num_blocks, parts, H, D]``; a slice's mean key, finer than the
+    ``[num_blocks + 1, parts, H, D]``; a slice's mean key, finer than the
     block's, keeps a few strong keys from being averaged away over 128
     tokens), and with ``bounds`` their elementwise max and min side by side
-    (``minmax`` ``[num_blocks, H, 2D]``: Quest's bound is one matmul against
-    ``[max(q, 0), min(q, 0)]``).  How many keys each slice holds follows from
-    the block's fill, which the caller knows: a current summary covers
-    exactly the block's first ``fill`` tokens."""
+    (``minmax`` ``[num_blocks + 1, H, 2D]``: Quest's bound is one matmul
+    against ``[max(q, 0), min(q, 0)]``).  How many keys each slice holds
+    follows from the block's fill, which the caller knows: a current summary
+    covers exactly the block's first ``fill`` tokens.
+
+    Every tensor has one row more than the cache has blocks: row
+    ``num_blocks`` (``trash``) takes the writes that fixed-shape updates
+    must send somewhere (padding tokens, "not this block"), so that no
+    update has to filter its indices first, which would wait for the device."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, device: torch.device, parts: int = 1, bounds: bool = True,
                  made_at: torch.Tensor | None = None) -> None:
         d = head_size
+        rows = num_blocks + 1
         self.minmax = self.kmax = self.kmin = None
         if bounds:
-            self.minmax = torch.empty((num_blocks, num_kv_heads, 2 * d), dtype=dtype, device=device)
+            self.minmax = torch.empty((rows, num_kv_heads, 2 * d), dtype=dtype, device=device)
             self.kmax = self.minmax[:, :, :d]
             self.kmin = self.minmax[:, :, d:]
             self.kmax.fill_(float("-inf"))
             self.kmin.fill_(float("inf"))
         self.parts = parts
         self.part_size = block_size // parts
-        self.part_sum = torch.zeros((num_blocks, parts, num_kv_heads, d), dtype=dtype, device=device)
+        self.part_sum = torch.zeros((rows, parts, num_kv_heads, d), dtype=dtype, device=device)
         # Epoch at which each block's summary was started; -1 = never.  May be
         # shared by the layers of a model: they all see the same writes.
-        self.made_at = (torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+        self.made_at = (torch.full((rows,), -1, dtype=torch.int64, device=device)
                         if made_at is None else made_at)
         # Per token of each full block, the key element KeyPages.probe reads
         # (kv head 0, dim t % head_size), read from the page when the block
         # was completed or rebuilt; NaN where unknown (never equal).  Only
         # full blocks come back behind the forward's back (prefix-cache hits
         # and connector loads are whole blocks).
-        self.probe = torch.full((num_blocks, block_size), float("nan"), dtype=dtype, device=device)
+        self.probe = torch.full((rows, block_size), float("nan"), dtype=dtype, device=device)
         self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        # Keys went by unfolded (calls left dense below a length threshold):
+        # the blocks the next thinned call reads are rebuilt from their pages.
+        self.behind = False
 
     @property
     def num_blocks(self) -> int:
-        return self.part_sum.shape[0]
+        return self.part_sum.shape[0] - 1
+
+    @property
+    def trash(self) -> int:
+        return self.part_sum.shape[0] - 1
 
     def add_keys(self, key: torch.Tensor, plan: "WritePlan", epochs: torch.Tensor, pages=None) -> None:
         """Fold the keys just written (``plan`` says where) into their
@@ -126,20 +176,24 @@ class LayerSummaries:
         tokens of a block are written in order, so that is where a block's
         new content begins (whatever the block held before).  Blocks
         completed by these keys get their probe from ``pages`` (the cache
-        already holds the keys); without pages they get none."""
+        already holds the keys) if their summary saw them start; without
+        pages they get none."""
         if plan.num_tokens == 0:
             return
-        if plan.keep is not None:
-            key = key[plan.keep]
-        if plan.starts.numel():
-            if self.minmax is not None:
-                self.kmin.index_fill_(0, plan.starts, float("inf"))
-                self.kmax.index_fill_(0, plan.starts, float("-inf"))
-            self.part_sum.index_fill_(0, plan.starts, 0.0)
-            self.made_at.index_copy_(0, plan.starts, epochs.index_select(0, plan.starts))
-            self.probe.index_fill_(0, plan.starts, float("nan"))
-        if pages is not None and plan.ends.numel():
-            self.probe.index_copy_(0, plan.ends, pages.probe(plan.ends).to(self.probe.dtype))
+        starts = plan.starts
+        if self.minmax is not None:
+            self.kmin.index_fill_(0, starts, float("inf"))
+            self.kmax.index_fill_(0, starts, float("-inf"))
+        self.part_sum.index_fill_(0, starts, 0.0)
+        self.made_at.index_copy_(0, starts, epochs.index_select(0, starts))
+        self.probe.index_fill_(0, starts, float("nan"))
+        if pages is not None:
+            # Only a summary that saw its block start can vouch for the
+            # block's keys: one started unseen must not look current later.
+            targets = plan.end_targets
+            seen_start = (self.made_at.index_select(0, targets) == epochs.index_select(0, targets)).unsqueeze(1)
+            probe = pages.probe(plan.end_sources).to(self.probe.dtype)
+            self.probe.index_copy_(0, targets, probe.masked_fill(~seen_start, float("nan")))
         key = key.to(self.part_sum.dtype)
         if self.minmax is not None:
             index = plan.index(key.shape[1:])
@@ -151,11 +205,93 @@ class LayerSummaries:
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
 
+    def refresh_known(self, full: torch.Tensor | None, partial: torch.Tensor | None,
+                      partial_fills: torch.Tensor | None, epochs: torch.Tensor, pages) -> torch.Tensor:
+        """Make the summaries of blocks known (on the host) to have been
+        filled behind the forward current, without waiting for the device:
+        ``full`` blocks and ``partial`` ones holding ``partial_fills``
+        tokens (distinct ids).  Each is kept if its page still holds the keys
+        its summary was made from, else rebuilt from the page: both are
+        computed and one is chosen per block, so the shapes never depend on
+        which.  Returns ``[kept, rebuilt]`` on the device."""
+        counts = torch.zeros(2, dtype=torch.int64, device=self.part_sum.device)
+        for blocks, fills, whole in ((full, None, True), (partial, partial_fills, False)):
+            if blocks is None or blocks.numel() == 0:
+                continue
+            n = blocks.shape[0]
+            if whole:
+                fills = torch.full((n,), self.block_size, dtype=torch.int64, device=blocks.device)
+            filled = torch.arange(self.block_size, device=blocks.device).unsqueeze(0) < fills.unsqueeze(1)
+            seen = self.probe.index_select(0, blocks)
+            now = pages.probe(blocks).to(seen.dtype)
+            same = ((seen == now) | ~filled).all(dim=1)
+            counts += torch.stack((same.sum(), (~same).sum()))
+            self.made_at.index_copy_(0, blocks, epochs.index_select(0, blocks))
+            if whole:
+                kmin, kmax, part_sum = pages.reduce(blocks, self.parts)
+            else:
+                kmin, kmax, part_sum = self._from_pages(blocks, fills, pages)
+            keep = same.view(n, 1, 1, 1)
+            self.part_sum.index_copy_(0, blocks, torch.where(
+                keep, self.part_sum.index_select(0, blocks), part_sum.to(self.part_sum.dtype)))
+            if self.minmax is not None:
+                self.kmin.index_copy_(0, blocks, torch.where(
+                    keep[:, 0], self.kmin.index_select(0, blocks), kmin.to(self.kmin.dtype)))
+                self.kmax.index_copy_(0, blocks, torch.where(
+                    keep[:, 0], self.kmax.index_select(0, blocks), kmax.to(self.kmax.dtype)))
+            self.probe.index_copy_(0, blocks, now.masked_fill(~filled, float("nan")))
+        return counts
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, epochs: torch.Tensor) -> None:
+        """vLLM copied whole pages ``src`` -> ``dst``: the summaries follow.
+        A copy of a current summary is current at the destination's epoch;
+        a copy of a stale one stays stale (never made)."""
+        self.part_sum.index_copy_(0, dst, self.part_sum.index_select(0, src))
+        if self.minmax is not None:
+            self.minmax.index_copy_(0, dst, self.minmax.index_select(0, src))
+        self.probe.index_copy_(0, dst, self.probe.index_select(0, src))
+        current = self.made_at.index_select(0, src) == epochs.index_select(0, src)
+        self.made_at.index_copy_(0, dst, torch.where(current, epochs.index_select(0, dst), -1))
+
+    def rebuild(self, table: torch.Tensor, valid: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
+                pages) -> None:
+        """Summaries of every valid ``table`` entry (``fills`` tokens each)
+        made again from the pages, in shapes fixed by the table's: invalid
+        entries read block 0 and write the scratch row."""
+        flat, ok = table.flatten(), valid.flatten()
+        src = torch.where(ok, flat, 0)
+        dst = torch.where(ok, flat, self.trash)
+        fills = torch.where(ok, fills.flatten(), 0)
+        kmin, kmax, part_sum = self._from_pages(src, fills, pages)
+        self.part_sum.index_copy_(0, dst, part_sum)
+        if self.minmax is not None:
+            self.kmin.index_copy_(0, dst, kmin)
+            self.kmax.index_copy_(0, dst, kmax)
+        pad = torch.arange(self.block_size, device=src.device).unsqueeze(0) >= fills.unsqueeze(1)
+        self.probe.index_copy_(0, dst, pages.probe(src).to(self.probe.dtype).masked_fill(pad, float("nan")))
+        self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
+        self.behind = False
+
+    def _from_pages(self, blocks: torch.Tensor, fills: torch.Tensor, pages):
+        """min, max and slice sums of the first ``fills`` tokens of each block."""
+        keys = pages.read(blocks).to(self.part_sum.dtype)  # [n, B, H, D]
+        pad = (torch.arange(self.block_size, device=keys.device).unsqueeze(0)
+               >= fills.unsqueeze(1))[:, :, None, None]
+        kmin = kmax = None
+        if self.minmax is not None:
+            kmin = keys.masked_fill(pad, float("inf")).amin(dim=1)
+            kmax = keys.masked_fill(pad, float("-inf")).amax(dim=1)
+        part_sum = keys.masked_fill(pad, 0.0).view(len(blocks), self.parts, self.part_size, *keys.shape[2:])
+        return kmin, kmax, part_sum.sum(dim=2)
+
     def refresh(self, blocks: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
                 pages) -> tuple[int, int]:
         """Make the summaries of these stale ``blocks`` (``fills`` = valid
         tokens in each) current: kept if the page still holds the keys they
-        were made from, else rebuilt from the page.  Returns (kept, rebuilt)."""
+        were made from, else rebuilt from the page.  Returns (kept, rebuilt).
+
+        The path for blocks found stale on the device (a method that starts
+        while requests run): it filters by value, so it waits for the device."""
         blocks, inverse = torch.unique(blocks, return_inverse=True)
         fills = torch.zeros_like(blocks).scatter_reduce_(0, inverse, fills, "amax", include_self=False)
         block_size = self.block_size
@@ -177,14 +313,11 @@ class LayerSummaries:
             self.part_sum.index_copy_(0, blocks[full], part_sum.to(self.part_sum.dtype))
         if not bool(full.all()):
             some, some_fills = blocks[~full], fills[~full]
-            keys = pages.read(some).to(self.part_sum.dtype)  # [n, B, H, D]
-            pad = (torch.arange(block_size, device=keys.device).unsqueeze(0)
-                   >= some_fills.unsqueeze(1))[:, :, None, None]
+            kmin, kmax, part_sum = self._from_pages(some, some_fills, pages)
             if self.minmax is not None:
-                self.kmin.index_copy_(0, some, keys.masked_fill(pad, float("inf")).amin(dim=1))
-                self.kmax.index_copy_(0, some, keys.masked_fill(pad, float("-inf")).amax(dim=1))
-            part_sum = keys.masked_fill(pad, 0.0).view(len(some), self.parts, self.part_size, *keys.shape[2:])
-            self.part_sum.index_copy_(0, some, part_sum.sum(dim=2))
+                self.kmin.index_copy_(0, some, kmin)
+                self.kmax.index_copy_(0, some, kmax)
+            self.part_sum.index_copy_(0, some, part_sum)
         self.probe.index_copy_(0, blocks, now.masked_fill(
             torch.arange(block_size, device=blocks.device).unsqueeze(0) >= fills.unsqueeze(1), float("nan")))
         return int(same.sum()), int(blocks.numel())

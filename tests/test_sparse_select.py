@@ -1,0 +1,559 @@
+"""block_topk's selection without vLLM, on every device there is (CUDA cases
+run where CUDA exists), through the torch path and, where Triton runs (CUDA,
+or its interpreter with ``TRITON_INTERPRET=1``), through its kernels:
+
+* it chooses the blocks the earlier selection chose (``_reference`` below
+  transcribes it, op for op), up to scores that tie to rounding;
+* a decode layer call dispatches no host-synchronising op, and few ops;
+* below ``dense_below`` a call is left dense, and the summaries still follow;
+* a new step is told by ``AttentionBatch.step``, not by tensor identity;
+* blocks filled behind the forward (known from the step hook) are checked
+  against their pages without waiting; blocks of requests that ran before the
+  method started are found on the device (waiting) until those requests end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from patches.attention import FlashKeyPages
+from ucm_connector.sparse import AttentionBatch, RequestStart, StepInfo, triton_select
+from ucm_connector.sparse.block_topk import BlockTopK, BlockTopKOptions
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _kernels(device: str) -> list[str]:
+    runs_triton = triton_select.available() and (device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return ["torch", "triton"] if runs_triton else ["torch"]
+
+
+PATHS = [(d, k) for d in DEVICES for k in _kernels(d)]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Requests:
+    """Rows of one step over a paged cache in FlashAttention's logical layout
+    ``[num_blocks, kv_heads, block_size, 2 * head]``: ``lens`` tokens each,
+    of which the last ``q_lens`` are this step's (1 = a decode row).  Each
+    request's keys have a few "hot" blocks lined up with its query."""
+
+    def __init__(self, device, lens, q_lens, block_size=16, heads=6, kv_heads=2, head=64, seed=0,
+                 spare_blocks=5):
+        gen = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
+        self.lens, self.q_lens = list(lens), list(q_lens)
+        self.block_size, self.heads, self.kv_heads, self.head = block_size, heads, kv_heads, head
+        self.req_ids = [f"r{i}" for i in range(len(lens))]
+        counts = [_cdiv(n, block_size) for n in lens]
+        self.num_blocks = sum(counts) + spare_blocks
+        order = torch.randperm(self.num_blocks, generator=gen).tolist()
+        self.tables, at = [], 0
+        for c in counts:
+            self.tables.append(order[at:at + c])
+            at += c
+        width = max(counts) + 3
+        self.table = torch.zeros(len(lens), width, dtype=torch.int32)
+        for i, t in enumerate(self.tables):
+            self.table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.kv = torch.zeros(self.num_blocks, kv_heads, block_size, 2 * head, dtype=torch.bfloat16)
+        self.keys, self.queries = [], []
+        group = heads // kv_heads
+        for n, c in zip(lens, counts):
+            direction = torch.randn(kv_heads, head, generator=gen)
+            keys = torch.randn(n, kv_heads, head, generator=gen)
+            for b in torch.randperm(c, generator=gen)[:max(1, c // 8)].tolist():
+                keys[b * block_size:(b + 1) * block_size] += 2.5 * direction * torch.rand(1, generator=gen)
+            self.keys.append(keys.to(torch.bfloat16))
+            q = 2 * direction.repeat_interleave(group, dim=0) + torch.randn(heads, head, generator=gen)
+            self.queries.append(q.to(torch.bfloat16))
+        for i, keys in enumerate(self.keys):
+            slots = self.slots(i, 0, lens[i])
+            for h in range(kv_heads):
+                self.kv[slots // block_size, h, slots % block_size, :head] = keys[:, h]
+        self.kv = self.kv.to(self.device)
+        self.table = self.table.to(self.device)
+        self.pages = FlashKeyPages(self.kv, head)
+
+    def slots(self, i: int, start: int, end: int) -> torch.Tensor:
+        t = torch.arange(start, end)
+        return torch.tensor(self.tables[i])[t // self.block_size] * self.block_size + t % self.block_size
+
+    def _batch(self, layer, step, parts, lens, query_rows):
+        tokens = [torch.arange(s, e) for s, e in parts]
+        qsl = torch.tensor([0] + [len(t) for t in tokens]).cumsum(0).to(torch.int32)
+        total = int(qsl[-1])
+        key = torch.cat([self.keys[i][s:e] for i, (s, e) in enumerate(parts)])
+        slots = torch.cat([self.slots(i, s, e) for i, (s, e) in enumerate(parts)])
+        query = torch.zeros(total, self.heads, self.head, dtype=torch.bfloat16)
+        for i in query_rows:
+            query[int(qsl[i]):int(qsl[i + 1])] = self.queries[i]
+        d = self.device
+        return AttentionBatch(
+            layer_name=layer, layer_index=0, query=query.to(d), key=key.to(d), slot_mapping=slots.to(d),
+            query_start_loc=qsl.to(d), seq_lens=torch.tensor(lens, dtype=torch.int32, device=d),
+            block_table=self.table, block_size=self.block_size, num_cache_blocks=self.num_blocks,
+            num_kv_heads=self.kv_heads, head_size=self.head, scale=1 / math.sqrt(self.head), pages=self.pages,
+            step=step, max_seq_len=max(lens), max_query_len=max(e - s for s, e in parts))
+
+    def history(self, layer: str, step: int) -> AttentionBatch:
+        """Everything before this step's tokens, as one prefill call."""
+        parts = [(0, n - q) for n, q in zip(self.lens, self.q_lens)]
+        return self._batch(layer, step, parts, [n - q for n, q in zip(self.lens, self.q_lens)], [])
+
+    def step(self, layer: str, step: int) -> AttentionBatch:
+        parts = [(n - q, n) for n, q in zip(self.lens, self.q_lens)]
+        return self._batch(layer, step, parts, self.lens, range(len(self.lens)))
+
+    def start(self, method: BlockTopK, layers=("layers.0",)) -> None:
+        """Requests start (nothing cached) and their earlier tokens go by."""
+        method.begin_step(StepInfo(self.block_size, started=tuple(
+            RequestStart(r, tuple(t), 0) for r, t in zip(self.req_ids, self.tables)),
+            scheduled_req_ids=frozenset(self.req_ids)))
+        for layer in layers:
+            method.before_attention(self.history(layer, step=1))
+        method.begin_step(StepInfo(self.block_size, scheduled_req_ids=frozenset(self.req_ids)))
+
+
+def _method(options: dict, kernels: str) -> BlockTopK:
+    return BlockTopK(BlockTopKOptions.parse(options), kernels=kernels)
+
+
+def _reference(options: BlockTopKOptions, layer, batch: AttentionBatch):
+    """The selection as block_topk made it before it ran without waiting
+    (commit 8767ccc), op for op, on current summaries: (table, lengths,
+    thinned rows, their budgets, their scores) or None."""
+    bs = batch.block_size
+    qsl, seq_lens = batch.query_start_loc, batch.seq_lens
+    num_reqs = seq_lens.shape[0]
+    query_lens = qsl[1:num_reqs + 1] - qsl[:num_reqs]
+    num_blocks = torch.div(seq_lens + bs - 1, bs, rounding_mode="floor")
+    keep = options.budget(num_blocks)
+    rows = ((query_lens == 1) & (keep < num_blocks) & (seq_lens > 0)).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    n_rows = num_blocks[rows].to(torch.int64)
+    keep_rows = keep[rows].to(torch.int64)
+    k, width = int(keep_rows.max()), int(n_rows.max())
+    device = rows.device
+    pos = torch.arange(width, device=device).unsqueeze(0)
+    valid = pos < n_rows.unsqueeze(1)
+    table = batch.block_table[rows, :width].to(torch.int64)
+    table = torch.where(valid, table, torch.zeros_like(table))
+    last_fill = seq_lens[rows].to(torch.int64) - (n_rows - 1) * bs
+    fills = torch.where(pos == (n_rows - 1).unsqueeze(1), last_fill.unsqueeze(1), torch.full_like(table, bs))
+    forced = ((pos < options.sink_blocks) | (pos >= (n_rows - options.local_blocks).unsqueeze(1))) & valid
+    in_budget = torch.arange(k, device=device).unsqueeze(0) < keep_rows.unsqueeze(1)
+    q = batch.query.index_select(0, qsl[rows].to(torch.int64))
+    n, num_heads, d = q.shape
+    h = batch.num_kv_heads
+    q = q.float().reshape(n * h, num_heads // h, d)
+    if options.score == "bound":
+        heads = torch.arange(h, device=device).view(1, -1, 1)
+        index = (table.unsqueeze(1) * h + heads).flatten()
+        summaries = layer.minmax.view(-1, 2 * d).index_select(0, index).view(n * h, width, 2 * d)
+        q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
+        logits = torch.bmm(q, summaries.transpose(1, 2)).view(n, num_heads, width).mul_(batch.scale)
+        logits.masked_fill_(~valid[:, None, :], float("-inf"))
+    else:
+        parts = layer.parts
+        blocks = table.view(n, 1, width, 1)
+        slices = torch.arange(parts, device=device).view(1, 1, 1, -1)
+        heads = torch.arange(h, device=device).view(1, -1, 1, 1)
+        index = ((blocks * parts + slices) * h + heads).flatten()
+        summaries = layer.part_sum.view(-1, d).index_select(0, index).view(n * h, width * parts, d)
+        logits = torch.bmm(q, summaries.transpose(1, 2)).view(n, num_heads, width, parts)
+        starts = torch.arange(parts, device=device) * (bs // parts)
+        count = (fills.masked_fill(~valid, 0).unsqueeze(2) - starts).clamp_(0, bs // parts)
+        count = count.to(torch.float32).unsqueeze(1)
+        logits.mul_(batch.scale / count.clamp(min=1)).add_(count.log())
+        logits = logits.logsumexp(dim=-1) if parts > 1 else logits.squeeze(-1)
+    scores = logits.softmax(dim=-1).mean(dim=1).masked_fill(forced, float("inf"))
+    top = scores.topk(k, dim=1).indices
+    top = torch.where(in_budget, top, width)
+    chosen = top.sort(dim=1).values.clamp_(max=width - 1)
+    out = batch.block_table.clone()
+    out[rows, :k] = table.gather(1, chosen).to(out.dtype)
+    lens = seq_lens.clone()
+    lens[rows] = ((keep_rows - 1) * bs + last_fill).to(lens.dtype)
+    return out, lens, rows, keep_rows, scores, table
+
+
+def _differences(selection, reference, batch, tie=2e-6) -> tuple[int, int]:
+    """(rows compared, rows whose chosen blocks differ by more than a
+    rounding tie); rows the reference leaves alone must be untouched."""
+    out, lens, rows, keep_rows, scores, table = (x.cpu() for x in reference)
+    got_table, got_lens = selection.block_table.cpu(), selection.seq_lens.cpu()
+    assert torch.equal(got_lens, lens)
+    thinned = set(rows.tolist())
+    for r in range(batch.seq_lens.shape[0]):
+        if r not in thinned:
+            n = _cdiv(int(batch.seq_lens[r]), batch.block_size)
+            assert torch.equal(got_table[r, :n], batch.block_table[r, :n].cpu())
+    real = 0
+    for i, r in enumerate(rows.tolist()):
+        k = int(keep_rows[i])
+        want, got = out[r, :k].tolist(), got_table[r, :k].tolist()
+        if want == got:
+            continue
+        position = {b: p for p, b in enumerate(table[i].tolist())}
+        assert got == sorted(got, key=position.__getitem__), "chosen blocks out of position order"
+        assert len(set(got)) == k and all(b in position for b in got), "a block the row does not own"
+        ranked = scores[i].sort(descending=True).values
+        edge = float(ranked[k - 1])
+        odd = [position[b] for b in set(want) ^ set(got)]
+        if any(abs(float(scores[i, p]) - edge) > tie for p in odd):
+            real += 1
+    return len(rows), real
+
+
+SETTINGS = [
+    {"keep_ratio": 0.25},
+    {"keep_ratio": 0.25, "parts": 4},
+    {"keep_ratio": 0.125, "score": "bound"},
+    {"budget_blocks": 5, "sink_blocks": 2, "local_blocks": 2},
+    {"keep_ratio": 0.3, "min_blocks": 12},
+]
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+@pytest.mark.parametrize("options", SETTINGS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("rows", ["decode", "mixed"])
+def test_the_selection_chooses_the_blocks_the_earlier_selection_chose(device, kernels, options, rows):
+    compared = 0
+    for seed in range(3):
+        lens = [700 + 97 * seed, 333, 1500, 129, 40, 977]
+        # "mixed": one chunked-prefill row among decode rows.
+        q_lens = [1, 1, 1, 64, 1, 1] if rows == "mixed" else [1] * 6
+        reqs = Requests(device, lens, q_lens, seed=seed)
+        method = _method(options, kernels)
+        reqs.start(method)
+        batch = reqs.step("layers.0", step=2)
+        selection = method.before_attention(batch)
+        reference = _reference(method.options, method._layers["layers.0"], batch)
+        assert reference is not None and selection is not None
+        rows, real = _differences(selection, reference, batch)
+        assert real == 0, f"seed {seed}: {real} of {rows} rows chose other blocks than the earlier selection"
+        compared += rows
+    assert compared >= 9
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_a_pure_decode_step_over_128_token_blocks_matches_too(device, kernels):
+    reqs = Requests(device, [2000, 1100, 3000, 700], [1, 1, 1, 1], block_size=128, head=64, seed=5)
+    method = _method({"keep_ratio": 0.25, "parts": 4}, kernels)
+    reqs.start(method)
+    batch = reqs.step("layers.0", step=2)
+    selection = method.before_attention(batch)
+    rows, real = _differences(selection, _reference(method.options, method._layers["layers.0"], batch), batch)
+    assert rows == 4 and real == 0
+
+
+@pytest.mark.skipif(len(PATHS) == len(DEVICES), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("score", ["mean", "bound"])
+def test_the_kernels_keep_the_summaries_the_torch_path_keeps(score):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # 23 decode steps: blocks completed (probes taken) and started (reset).
+    reqs = Requests(device, [700, 333, 1500, 977], [24] * 4, seed=11)
+    methods = [_method({"keep_ratio": 0.25, "score": score, "parts": 2 if score == "mean" else 1}, k)
+               for k in ("torch", "triton")]
+    for m in methods:
+        reqs.start(m)
+    for step in range(23):
+        lens = [n - 23 + step for n in reqs.lens]
+        parts = [(n - 1, n) for n in lens]
+        batch = reqs._batch("layers.0", 2 + step, parts, lens, range(4))
+        for m in methods:
+            m.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+            m.before_attention(dataclasses.replace(batch))
+    a, b = (m._layers["layers.0"] for m in methods)
+    assert torch.allclose(a.part_sum, b.part_sum, atol=1e-5)
+    if score == "bound":
+        assert torch.equal(a.minmax, b.minmax)
+    assert torch.equal(a.made_at, b.made_at)
+    assert torch.equal(a.probe.isnan(), b.probe.isnan())
+    assert torch.equal(a.probe.nan_to_num(), b.probe.nan_to_num())
+    assert (~a.probe[:-1].isnan()).any(dim=1).sum() > 10      # probes were taken
+    sa, sb = (m.stats() for m in methods)
+    assert sa == sb
+
+
+# -- no waiting ----------------------------------------------------------------------------
+
+# aten ops that read a device value back to the host (or make a shape of one).
+_SYNCING = {"_local_scalar_dense", "item", "nonzero", "equal", "is_nonzero", "masked_select",
+            "_unique", "_unique2", "unique_dim", "unique_consecutive", "allclose", "tolist"}
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op dispatched, and those that wait for the device (boolean
+    -mask indexing included: its result's shape is data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.syncing: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops.append(name)
+        if name in _SYNCING:
+            self.syncing.append(name)
+        elif name in ("index", "index_put", "index_put_"):
+            indices = args[1] if len(args) > 1 else ()
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
+                self.syncing.append(f"{name}[bool]")
+        return func(*args, **(kwargs or {}))
+
+
+def _thinned_lens(lens, block_size, ratio):
+    out = []
+    for n in lens:
+        blocks = _cdiv(n, block_size)
+        out.append((math.ceil(blocks * ratio) - 1) * block_size + n - (blocks - 1) * block_size)
+    return out
+
+
+def _llama_step(device):
+    """Batch 8, 8k context, Llama-3-8B attention shapes (32 / 8 heads of 128,
+    16-token blocks): two layers' history, then a decode step."""
+    lens = [8192 - 37 * i for i in range(8)]
+    return Requests(device, lens, [1] * 8, block_size=16, heads=32, kv_heads=8, head=128, seed=1)
+
+
+# What a decode layer call of the torch path dispatches, views included
+# (counted here: 48 for a later layer of a step; 162 for a step's first
+# layer, which also works out the rows' tensors that all layers share).  The
+# selection this replaced dispatched 154 on every call, 9 of them waiting.
+LATER_LAYER_OPS, FIRST_LAYER_OPS = 50, 170
+
+
+def test_a_decode_layer_call_on_cpu_dispatches_no_host_synchronising_op():
+    reqs = _llama_step("cpu")
+    method = _method({"keep_ratio": 0.25}, "torch")
+    reqs.start(method, layers=("layers.0", "layers.1"))
+    step = reqs.step("layers.0", step=2)
+    # The layers of a step share vLLM's metadata tensors.
+    batches = [step, dataclasses.replace(step, layer_name="layers.1")]
+    first, later = OpLog(), OpLog()
+    with first:
+        selection = method.before_attention(batches[0])
+    with later:
+        method.before_attention(batches[1])
+    print(f"ops: first layer {len(first.ops)}, later layer {len(later.ops)}")
+    assert first.syncing == [] and later.syncing == []
+    assert len(later.ops) <= LATER_LAYER_OPS, sorted(later.ops)
+    assert len(first.ops) <= FIRST_LAYER_OPS, sorted(first.ops)
+    # ... and it did thin: a quarter of each row's blocks, the last one partial.
+    assert selection.seq_lens.tolist() == _thinned_lens(reqs.lens, 16, 0.25)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", _kernels("cuda"))
+def test_a_decode_layer_call_on_cuda_never_synchronises(kernels):
+    reqs = _llama_step("cuda")
+    method = _method({"keep_ratio": 0.25}, kernels)
+    reqs.start(method, layers=("layers.0", "layers.1"))
+    step = reqs.step("layers.0", step=2)
+    batches = [step, dataclasses.replace(step, layer_name="layers.1")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches:
+            selection = method.before_attention(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert selection.seq_lens.tolist() == _thinned_lens(reqs.lens, 16, 0.25)
+
+
+# -- dense below the crossover ---------------------------------------------------------------
+
+def _decode(reqs: Requests, layer: str, step: int, back: int) -> AttentionBatch:
+    """A decode step over everything but the last ``back`` tokens of each request."""
+    lens = [n - back for n in reqs.lens]
+    return reqs._batch(layer, step, [(n - 1, n) for n in lens], lens, range(len(lens)))
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_below_dense_below_a_call_costs_nothing_and_the_summaries_catch_up_from_the_pages(device, kernels):
+    reqs = Requests(device, [900, 600, 1200], [4, 4, 4], seed=3)
+    lazy = _method({"keep_ratio": 0.25, "dense_below": 1198}, kernels)
+    eager = _method({"keep_ratio": 0.25, "dense_below": 0}, kernels)
+    for m in (lazy, eager):
+        reqs.start(m)
+    info = StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids))
+    for step, back in ((2, 3), (3, 2)):                    # longest rows 1,197 and 1,198
+        batch = _decode(reqs, "layers.0", step, back)
+        for m in (lazy, eager):
+            m.begin_step(info)
+        log = OpLog()
+        with log:
+            skipped = lazy.before_attention(batch)
+        eager.before_attention(dataclasses.replace(batch))
+        assert log.syncing == []
+        if step == 2:
+            assert skipped is None
+    assert skipped is not None                             # 1,198: thinned again
+    stats = lazy.stats()
+    assert stats.sparse_rows == 3 and stats.blocks_dense == 2 * (57 + 38 + 75)
+    # The rebuilt summaries are the folded ones (to rounding), so the choice is too.
+    a, b = lazy._layers["layers.0"], eager._layers["layers.0"]
+    used = torch.cat([torch.tensor(t) for t in reqs.tables])
+    assert torch.allclose(a.part_sum[used], b.part_sum[used], atol=1e-4)
+    rows, real = _differences(skipped, _reference(eager.options, b, batch), batch)
+    assert rows == 3 and real == 0
+
+
+def test_a_request_that_wrote_keys_while_calls_were_dense_keeps_the_layers_rebuilding_until_covered():
+    reqs = Requests("cpu", [900, 600, 1200], [4, 4, 4], seed=3)
+    method = _method({"keep_ratio": 0.25, "dense_below": 1198}, "torch")
+    reqs.start(method)
+    # "rX" runs in the dense step, then is not scheduled in the next one.
+    method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids) | {"rX"}))
+    assert method.before_attention(_decode(reqs, "layers.0", 2, 3)) is None
+    layer = method._layers["layers.0"]
+    assert layer.behind
+    method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+    assert method.before_attention(_decode(reqs, "layers.0", 3, 2)) is not None
+    assert layer.behind                                  # rX's keys are still unfolded
+    method.begin_step(StepInfo(16, finished_req_ids=frozenset({"rX"}), scheduled_req_ids=frozenset(reqs.req_ids)))
+    assert method.before_attention(_decode(reqs, "layers.0", 4, 1)) is not None
+    assert not layer.behind
+
+
+def test_a_call_left_dense_dispatches_nothing_beyond_its_counters():
+    reqs = Requests("cpu", [900, 600, 1200], [1, 1, 1], seed=3)
+    method = _method({"keep_ratio": 0.25, "dense_below": 4096}, "torch")
+    reqs.start(method, layers=("layers.0", "layers.1"))
+    step = reqs.step("layers.0", step=2)
+    first, later = OpLog(), OpLog()
+    with first:
+        assert method.before_attention(step) is None
+    with later:
+        assert method.before_attention(dataclasses.replace(step, layer_name="layers.1")) is None
+    assert later.ops == [] and first.syncing == []
+    assert method.stats().blocks_read == method.stats().blocks_dense == 2 * (57 + 38 + 75)
+
+
+def test_counters_made_under_inference_mode_are_read_and_reset_outside_it():
+    # vLLM runs the forward under torch.inference_mode(); stats() and
+    # reset_stats() come from outside it.
+    reqs = Requests("cpu", [900, 600], [1, 1], seed=2)
+    method = _method({"keep_ratio": 0.25}, "torch")
+    with torch.inference_mode():
+        reqs.start(method)
+        method.before_attention(reqs.step("layers.0", step=2))
+    assert method.stats().sparse_rows == 2
+    method.reset_stats()
+    assert method.stats().sparse_rows == 0
+
+
+def test_the_default_crossover_is_per_device():
+    from ucm_connector.sparse.block_topk import DENSE_BELOW_DEFAULT
+
+    assert DENSE_BELOW_DEFAULT["cpu"] == 0            # benchmarks/RESULTS.md: sparse pays from 2k at batch 8
+    assert DENSE_BELOW_DEFAULT["cuda"] == 32768       # ... and on an H100, eagerly, from above 16k
+    reqs = Requests("cpu", [900, 600, 1200], [1, 1, 1], seed=3)
+    method = _method({"keep_ratio": 0.25}, "torch")
+    reqs.start(method)
+    assert method.before_attention(reqs.step("layers.0", step=2)) is not None    # CPU: no threshold
+
+
+# -- steps -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_a_new_step_index_is_a_new_step_even_over_the_same_tensors(device, kernels):
+    reqs = Requests(device, [1000, 1000], [1, 1], seed=4)
+    method = _method({"keep_ratio": 0.25}, kernels)
+    reqs.start(method)
+    batch = reqs.step("layers.0", step=2)
+    first = method.before_attention(batch).seq_lens.tolist()
+    # vLLM refills its persistent buffers in place: same tensor objects, new
+    # values (here: 8 tokens later, the last block full).
+    batch.seq_lens += 8
+    batch.max_seq_len += 8
+    batch.slot_mapping.copy_(torch.tensor([reqs.tables[0][-1] * 16 + 15, reqs.tables[1][-1] * 16 + 15]))
+    batch.step = 3
+    second = method.before_attention(batch).seq_lens.tolist()
+    assert first == [15 * 16 + 8, 15 * 16 + 8]          # 63 blocks, 8 tokens in the last: 16 read
+    assert second == [15 * 16 + 16, 15 * 16 + 16]       # the last block now full
+
+
+# -- blocks filled behind the forward ---------------------------------------------------------
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_blocks_loaded_behind_the_forward_are_checked_without_waiting(device, kernels):
+    reqs = Requests(device, [1600, 1600], [1, 1], seed=6)
+    method = _method({"budget_blocks": 3}, kernels)
+    reqs.start(method)
+    # A connector load puts new content into request 0's first 99 blocks:
+    # its hot block is now position 40.
+    table = reqs.tables[0]
+    keys = torch.randn(99 * 16, 2, 64)
+    keys[40 * 16:41 * 16] += 4 * reqs.queries[0][::3].float()
+    slots = reqs.slots(0, 0, 99 * 16)
+    kv = reqs.kv.cpu()
+    for h in range(2):
+        kv[slots // 16, h, slots % 16, :64] = keys[:, h].to(torch.bfloat16)
+    reqs.kv.copy_(kv)
+    method.begin_step(StepInfo(16, started=(RequestStart("r0", tuple(table), 99 * 16),),
+                               scheduled_req_ids=frozenset(reqs.req_ids)))
+    batch = reqs.step("layers.0", step=2)
+    log = OpLog()
+    with log:
+        selection = method.before_attention(batch)
+    assert log.syncing == []
+    assert selection.block_table[0, :3].tolist() == [table[0], table[40], table[99]]
+    stats = method.stats()
+    assert stats.blocks_summarized_from_pages == 99 and stats.blocks_probed_unchanged == 0
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_a_block_refilled_with_its_own_keys_keeps_its_summary(device, kernels):
+    reqs = Requests(device, [1600, 800], [1, 1], seed=7)
+    method = _method({"keep_ratio": 0.25}, kernels)
+    reqs.start(method)
+    # A prefix-cache hit on request 1's first 40 blocks: same content.
+    method.begin_step(StepInfo(16, started=(RequestStart("r1", tuple(reqs.tables[1]), 40 * 16),),
+                               scheduled_req_ids=frozenset(reqs.req_ids)))
+    batch = reqs.step("layers.0", step=2)
+    selection = method.before_attention(batch)
+    stats = method.stats()
+    assert (stats.blocks_probed_unchanged, stats.blocks_summarized_from_pages) == (40, 0)
+    rows, real = _differences(selection, _reference(method.options, method._layers["layers.0"], batch), batch)
+    assert rows == 2 and real == 0
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_requests_running_before_the_method_started_are_checked_until_they_finish(device, kernels):
+    reqs = Requests(device, [1600, 1200], [1, 1], seed=8)
+    fresh = _method({"budget_blocks": 3}, kernels)
+    # The method starts while both requests run: it saw none of their keys.
+    fresh.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+    batch = reqs.step("layers.0", step=1)
+    log = OpLog()
+    with log:
+        selection = fresh.before_attention(batch)
+    assert log.syncing                                   # it had to look
+    assert fresh.stats().blocks_summarized_from_pages == 100 + 75
+    rows, real = _differences(selection, _reference(fresh.options, fresh._layers["layers.0"], batch), batch)
+    assert rows == 2 and real == 0
+    # Once both are gone, a new request's steps never wait.
+    fresh.begin_step(StepInfo(16, finished_req_ids=frozenset(reqs.req_ids), scheduled_req_ids=frozenset()))
+    other = Requests(device, [1000], [1], seed=9)
+    other.req_ids = ["r9"]
+    other.start(fresh)
+    batch = other.step("layers.0", step=4)
+    log = OpLog()
+    with log:
+        fresh.before_attention(batch)
+    assert log.syncing == []
