@@ -25,9 +25,10 @@ import time
 
 import pytest
 
-from store_backends import StoreError, StoreOpenError, open_store
+from store_backends import OpenMode, StoreError, StoreOpenError, open_store, which_store
 from store_backends import disk
-from store_backends.disk import DiskStore, block_name
+from store_backends.disk import DiskStore, ReadStatus, block_name, is_disk_store
+from store_backends.disk.block_files import BlockFiles
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -135,6 +136,73 @@ def test_a_percent_encoded_path_is_decoded(tmp_path):
     assert (tmp_path / "with space" / "index.sqlite").exists()
 
 
+# ---------------------------------------------------------------- opening for inspection
+
+
+def test_inspect_mode_refuses_a_directory_that_is_not_a_store_and_leaves_it_untouched(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    url = f"disk://{tmp_path}?capacity=1GiB"
+    with pytest.raises(StoreOpenError, match="is not a disk store") as info:
+        open_store(url, OpenMode.INSPECT)
+    assert url in str(info.value) and "check the path" in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_inspect_mode_refuses_a_missing_directory_without_creating_it(tmp_path):
+    root = tmp_path / "no" / "store"
+    with pytest.raises(StoreOpenError, match="there is no directory"):
+        open_store(f"disk://{root}", "inspect")
+    assert not (tmp_path / "no").exists()
+
+
+def test_inspect_mode_still_refuses_bad_options(tmp_path):
+    with pytest.raises(StoreOpenError, match="capacity='lots'"):
+        open_store(f"disk://{tmp_path}?capacity=lots", OpenMode.INSPECT)
+
+
+def test_inspect_mode_opens_a_store_without_evicting_down_to_the_urls_capacity(root):
+    keys = [b"k%d" % i for i in range(8)]
+    values = [value_for(k, 4 * KIB) for k in keys]
+    with open_store(f"disk://{root}") as s:
+        assert s.put(keys, values) == [True] * 8
+
+    with open_store(f"disk://{root}?capacity=8KiB", OpenMode.INSPECT) as s:
+        assert s.contains(keys) == [True] * 8
+        assert s.put([b"one-more"], [value_for(b"one-more", 4 * KIB)]) == [True]
+        assert s.get(keys) == values
+        stats = s.stats()
+    assert (stats.num_blocks, stats.num_evictions) == (9, 0)
+    assert stats.capacity_nbytes == 8 * KIB  # reported, not enforced
+    with open_store(f"disk://{root}") as s:
+        assert s.contains(keys + [b"one-more"]) == [True] * 9
+
+
+def test_is_disk_store_knows_a_store_by_its_index_or_its_shard_directories(tmp_path):
+    root = tmp_path / "store"
+    assert not is_disk_store(str(root))
+    root.mkdir()
+    assert not is_disk_store(str(root))
+    with open_store(f"disk://{root}") as s:
+        s.put([b"k"], [b"v"])
+    assert is_disk_store(str(root))
+    for name in os.listdir(root):
+        if name.startswith("index.sqlite"):
+            os.unlink(root / name)
+    assert is_disk_store(str(root))  # a lost index is rebuilt from the files at open
+    (tmp_path / "a-file").write_bytes(b"x")
+    assert not is_disk_store(str(tmp_path / "a-file"))
+
+
+def test_which_store_names_a_disk_store_and_creates_nothing_where_there_is_none(tmp_path):
+    with open_store(f"disk://{tmp_path}/store") as s:
+        s.put([b"k"], [b"v"])
+    (tmp_path / "plain").mkdir()
+    assert which_store(f"disk://{tmp_path}/store") == "disk"
+    assert which_store(f"disk://{tmp_path}/plain") is None
+    assert which_store(f"disk://{tmp_path}/missing") is None
+    assert os.listdir(tmp_path / "plain") == [] and not (tmp_path / "missing").exists()
+
+
 # ---------------------------------------------------------------- layout
 
 
@@ -204,6 +272,30 @@ def test_a_damaged_file_is_a_counted_miss_and_is_removed(root, store, damage, re
     assert store.contains([b"victim"]) == [False]
     assert store.put([b"victim"], [value]) == [True]
     assert store.get([b"victim"]) == [value]
+
+
+@pytest.mark.parametrize("damage, status", [
+    ("none", ReadStatus.HIT),
+    ("missing", ReadStatus.GONE),
+    ("truncate", ReadStatus.CORRUPT),
+    ("another size", ReadStatus.MISS),
+])
+def test_a_block_file_read_says_what_it_found(root, damage, status):
+    files = BlockFiles(str(root))
+    files.make_shards()
+    value = value_for(b"key", 1000)
+    inode = files.publish(b"key", memoryview(value))
+    path = files.path(b"key")
+    if damage == "missing":
+        os.unlink(path)
+    elif damage == "truncate":
+        os.truncate(path, 500)
+    expected = 999 if damage == "another size" else len(value)
+    read = files.read_into(b"key", memoryview(bytearray(expected)))
+    assert read.status is status
+    assert read.inode == (inode if status is ReadStatus.CORRUPT else None)
+    if damage == "none":
+        assert files.read(b"key").value == value
 
 
 def test_a_length_field_that_disagrees_with_the_file_size_is_never_trusted(root, store):
@@ -677,6 +769,17 @@ def test_a_new_store_on_a_full_file_system_opens_empty_and_refuses_puts(small_fs
         assert "no space left on device" in s.stats().extra["read_only"]
 
 
+def test_stats_of_a_store_on_a_full_file_system_say_it_is_read_only(small_fs):
+    root = small_fs / "store"
+    with open_store(f"disk://{root}") as s:
+        assert s.stats().read_only is None
+    fill(small_fs)
+    with open_store(f"disk://{root}") as s:
+        stats = s.stats()
+    assert stats.kind == "disk"
+    assert "no space left on device" in stats.read_only
+
+
 def test_a_store_opened_on_a_full_file_system_stores_again_once_space_is_freed(small_fs, monkeypatch):
     monkeypatch.setattr(disk, "_FULL_RETRY_SECONDS", 0.0)
     root = small_fs / "store"
@@ -765,3 +868,9 @@ def test_stats_describe_the_store(root):
     assert stats.url == f"disk://{root}?capacity=1MiB"
     assert (stats.num_blocks, stats.nbytes, stats.capacity_nbytes) == (2, 30, MIB)
     assert (stats.num_puts, stats.num_gets, stats.num_hits, stats.num_misses) == (2, 2, 1, 1)
+
+
+def test_stats_name_the_kind_and_a_writable_store_is_not_read_only(root):
+    with DiskStore.from_url(f"disk://{root}") as s:
+        stats = s.stats()
+    assert (stats.kind, stats.read_only, stats.counts_scope) == ("disk", None, None)

@@ -9,9 +9,9 @@ test).
 What it must not do: import vLLM or torch (it starts in a fraction of a
 second on machines without either), start servers (an ``shm://`` store is
 opened with ``server=connect``), or change a store except where a command
-says so (``verify --repair``, ``clear``, ``shm stop``). A ``disk://`` store is
-opened without its ``capacity`` option, because opening with a capacity
-evicts down to it.
+says so (``verify --repair``, ``clear``, ``shm stop``). Stores are opened with
+``OpenMode.INSPECT``: only one that exists, and a ``disk://`` store without
+evicting down to the capacity its URL names.
 
 User errors (a wrong URL, an unreachable server, an unknown namespace) are
 one line on stderr, ``ucm: ...``, saying what to do; never a traceback.
@@ -31,9 +31,10 @@ import time
 import urllib.parse
 from typing import Callable, Iterable
 
-from store_backends import KVStore, StoreError, StoreOpenError, open_store
+from store_backends import KVStore, OpenMode, StoreError, StoreOpenError, open_store
+from store_backends.disk import is_disk_store
 from store_backends.registry import url_scheme
-from store_backends.urls import mask_password, parse_size
+from store_backends.urls import mask_password
 
 from . import __version__, blockfmt
 from .config import OPTIONS, UCMConfig, UCMConfigError
@@ -146,7 +147,6 @@ def _progress(args: argparse.Namespace, label: str, store: KVStore | None = None
 class Opened:
     store: KVStore
     shown: str                       # the user's URL, password masked
-    capacity_nbytes: int | None = None   # a disk:// capacity from the URL
 
 
 def _query_pairs(query: str) -> list[tuple[str, str]]:
@@ -171,32 +171,12 @@ def _disk_path(url: str) -> str | None:
     return path
 
 
-def _is_disk_store(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "index.sqlite")) or os.path.isdir(os.path.join(path, "00"))
-
-
 def open_for_cli(url: str) -> Opened:
     """Open a store for inspection, without side effects beyond reading."""
     url = url.strip()
     shown = mask_password(url)
     scheme = url_scheme(url)
-    capacity = None
-    if scheme == "disk":
-        pairs = _query_pairs(urllib.parse.urlsplit(url).query)
-        for name, value in pairs:
-            if name == "capacity":
-                capacity = parse_size(urllib.parse.unquote(value), url=url, name="capacity")
-        path = _disk_path(url)
-        if path is not None:
-            if not os.path.isdir(path):
-                raise StoreOpenError(
-                    f"store '{shown}': there is no directory {path!r}, so nothing is stored there; "
-                    f"check the path")
-            if not _is_disk_store(path):
-                raise StoreOpenError(
-                    f"store '{shown}': {path!r} is not a disk store (it has no index.sqlite); check the path")
-        url = _with_query(url, [(k, v) for k, v in pairs if k != "capacity"])
-    elif scheme == "shm":
+    if scheme == "shm":
         from store_backends import shm_server
 
         parts = urllib.parse.urlsplit(url)
@@ -209,7 +189,7 @@ def open_for_cli(url: str) -> Opened:
                 f"store '{shown}': no shm server is running for {name!r}, so nothing is stored there "
                 f"(an shm store lives as long as its server); `ucm shm list` shows the running ones")
         url = _with_query(url, [(k, v) for k, v in pairs if k != "server"] + [("server", "connect")])
-    return Opened(open_store(url), shown, capacity)
+    return Opened(open_store(url, OpenMode.INSPECT), shown)
 
 
 # -- walking a store -------------------------------------------------------------
@@ -346,7 +326,7 @@ def cmd_store_stats(args: argparse.Namespace) -> int:
         found = survey(store, _progress(args, "stats", store))
         stats = store.stats()
     rows = _namespace_rows(found)
-    capacity = opened.capacity_nbytes if opened.capacity_nbytes is not None else stats.capacity_nbytes
+    capacity = stats.capacity_nbytes
     num_blocks = sum(u.num_blocks for u in found.namespaces.values())
     nbytes = sum(u.nbytes for u in found.namespaces.values())
     if args.json:
@@ -387,8 +367,8 @@ def _print_stats(opened: Opened, found: Survey, rows: list[dict], stats, capacit
     if "nbytes_means" in stats.extra:
         line += f" ({stats.extra['nbytes_means']})"
     print(line)
-    if stats.extra.get("read_only"):
-        print(f"  read-only: {stats.extra['read_only']}")
+    if stats.read_only:
+        print(f"  read-only: {stats.read_only}")
     if rows:
         print()
         print(f"{'NAMESPACE':<16}  {'BLOCKS':>8}  {'BYTES':>10}  {'OLDEST USE':<19}  {'NEWEST USE':<19}  "
@@ -700,7 +680,7 @@ def check_store_url(url: str) -> tuple[bool, str]:
 
 def _check_disk_url(url: str, shown: str) -> tuple[bool, str]:
     path = _disk_path(url)
-    if path is not None and os.path.isdir(path) and _is_disk_store(path):
+    if path is not None and is_disk_store(path):
         opened = open_for_cli(url)
         with opened.store as store:
             stats = store.stats()
@@ -1024,8 +1004,8 @@ store URLs:
   disk:///abs/path  redis://[user:pass@]host:port/db  rediss://...
   unix:///path/redis.sock  redis-cluster://host:port[,host:port...]  shm://NAME
   and schemes registered under the entry-point group ucm_connector.stores.
-  ucm never starts an shm:// server and opens disk:// stores without their
-  capacity option (opening with a capacity evicts down to it).
+  ucm never starts an shm:// server, and never evicts from a disk:// store
+  down to the capacity its URL names.
 
 examples:
   ucm store stats disk:///var/cache/ucm
