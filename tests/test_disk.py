@@ -470,8 +470,10 @@ def test_another_processs_puts_and_deletes_are_seen_by_an_open_store(root, store
 
 
 def test_a_trimmed_journal_makes_an_open_store_reload_its_key_set(root, monkeypatch):
-    monkeypatch.setattr(disk, "_JOURNAL_KEEP", 4)
-    monkeypatch.setattr(disk, "_TRIM_EVERY", 1)
+    from store_backends.disk import index as disk_index
+
+    monkeypatch.setattr(disk_index, "_JOURNAL_KEEP", 4)
+    monkeypatch.setattr(disk_index, "_TRIM_EVERY", 1)
     with DiskStore(str(root)) as reader, DiskStore(str(root)) as writer:
         reader.put([b"old"], [b"o"])
         assert reader.contains([b"old"]) == [True]
@@ -480,7 +482,7 @@ def test_a_trimmed_journal_makes_an_open_store_reload_its_key_set(root, monkeypa
         writer.delete([b"old"])
         trimmed = sqlite3.connect(str(root / "index.sqlite")).execute(
             "SELECT trimmed_seq FROM usage").fetchone()[0]
-        assert trimmed > reader._seq
+        assert trimmed > reader._index.seq
         keys = [b"old"] + [b"n%d" % i for i in range(40)]
         assert reader.contains(keys) == [False] + [True] * 40
 
@@ -781,7 +783,9 @@ def test_stats_of_a_store_on_a_full_file_system_say_it_is_read_only(small_fs):
 
 
 def test_a_store_opened_on_a_full_file_system_stores_again_once_space_is_freed(small_fs, monkeypatch):
-    monkeypatch.setattr(disk, "_FULL_RETRY_SECONDS", 0.0)
+    from store_backends.disk import store as disk_store
+
+    monkeypatch.setattr(disk_store, "_FULL_RETRY_SECONDS", 0.0)
     root = small_fs / "store"
     with open_store(f"disk://{root}") as s:
         assert s.put([b"old"], [b"o" * 1000]) == [True]

@@ -36,37 +36,9 @@ Nothing here knows what the bytes mean.
 
 from __future__ import annotations
 
-import sys
-import types
-
-from . import index as _index_module
-from . import store as _store_module
 # _MAGIC and _TRAILER: the file format, which tests read from here.
 from .block_files import _MAGIC, _TRAILER, BlockRead, ReadStatus
 from .layout import block_name, is_disk_store
 from .store import DiskStore
 
 __all__ = ["BlockRead", "DiskStore", "ReadStatus", "block_name", "is_disk_store"]
-
-# Tunables that tests set on this package (``monkeypatch.setattr(disk,
-# "_TRIM_EVERY", 1)``) live in the module that reads them: setting one here
-# sets it there too.
-_TUNABLES = {
-    "_JOURNAL_KEEP": _index_module,
-    "_TRIM_EVERY": _index_module,
-    "_FULL_RETRY_SECONDS": _store_module,
-}
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: object) -> None:
-        owner = _TUNABLES.get(name)
-        if owner is not None:
-            setattr(owner, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-for _name, _owner in _TUNABLES.items():
-    setattr(sys.modules[__name__], _name, getattr(_owner, _name))
-del _name, _owner

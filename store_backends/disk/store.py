@@ -283,11 +283,6 @@ class DiskStore(KVStore):
         if self._closed:
             raise StoreError(f"store '{self.url}' is closed")
 
-    @property
-    def _seq(self) -> int:
-        """The index journal position this store's key set has caught up to."""
-        return self._index.seq
-
     def _evict(self, conn: sqlite3.Connection, need_nbytes: int,
                retired: list[str | None]) -> tuple[list[bytes], int]:
         """Evict least recently used blocks inside the index transaction
