@@ -47,7 +47,9 @@ import xxhash
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
 HEADER_NBYTES = 64
-NAMESPACE_DIGEST_NBYTES = 16
+#: A namespace digest, and the content digest at the start of every block
+#: key: xxh3-128 (hashing.py makes them; the envelope and manifests carry them).
+DIGEST_NBYTES = 16
 
 # magic, version, header nbytes, flags, reserved, namespace, payload nbytes,
 # payload checksum, key check; the header checksum follows at 56.
@@ -145,9 +147,9 @@ def _byte_view(buf) -> memoryview:
 
 
 def _check_namespace_digest(namespace_digest: bytes) -> None:
-    if len(namespace_digest) != NAMESPACE_DIGEST_NBYTES:
+    if len(namespace_digest) != DIGEST_NBYTES:
         raise ValueError(
-            f"namespace digest must be {NAMESPACE_DIGEST_NBYTES} bytes, "
+            f"namespace digest must be {DIGEST_NBYTES} bytes, "
             f"got {len(namespace_digest)}")
 
 

@@ -55,13 +55,20 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
+from typing import NewType
 
 import numpy as np
 import xxhash
 
-from ucm_connector.blockfmt import FORMAT_VERSION
+from ucm_connector.blockfmt import DIGEST_NBYTES, FORMAT_VERSION
 
-DIGEST_NBYTES = 16
+#: A block's content address as stored: its 16-byte chain digest and the TP
+#: rank (``KEY_NBYTES``).  vLLM's ``kv_cache_utils`` types its BlockHash the
+#: same way: bytes, but not any bytes.
+BlockKey = NewType("BlockKey", bytes)
+#: 16 bytes naming a namespace (model, geometry, rank, format).
+NamespaceDigest = NewType("NamespaceDigest", bytes)
+
 KEY_NBYTES = DIGEST_NBYTES + 2
 # Bumped whenever the encoding of namespaces or keys changes, so that a
 # changed scheme can never read keys made by an older one.
@@ -341,9 +348,9 @@ class Namespace:
         return b"".join(parts)
 
     @cached_property
-    def digest(self) -> bytes:
+    def digest(self) -> NamespaceDigest:
         """16 bytes identifying this namespace, stored in every block header."""
-        return _xxh3_128(self._encode(with_rank=True))
+        return NamespaceDigest(_xxh3_128(self._encode(with_rank=True)))
 
     @cached_property
     def tp_group_digest(self) -> bytes:
@@ -405,10 +412,10 @@ def tokens_to_bytes(token_ids) -> memoryview:
     return memoryview(arr).cast("B")
 
 
-def keys_for_rank(keys: Iterable[bytes], tp_rank: int) -> list[bytes]:
+def keys_for_rank(keys: Iterable[bytes], tp_rank: int) -> list[BlockKey]:
     """The same blocks' keys for another TP rank (a suffix swap, no hashing)."""
     suffix = _U16.pack(tp_rank)
-    return [key[:DIGEST_NBYTES] + suffix for key in keys]
+    return [BlockKey(key[:DIGEST_NBYTES] + suffix) for key in keys]
 
 
 def key_digest(key: bytes) -> bytes:
@@ -437,14 +444,14 @@ class BlockHasher:
                          + _enc_opt_str(lora) + _enc_opt_str(cache_salt))
 
     def block_keys(self, token_ids, *, lora: str | None = None, cache_salt: str | None = None,
-                   mm_spans: Sequence[MultiModalSpan] = ()) -> list[bytes]:
+                   mm_spans: Sequence[MultiModalSpan] = ()) -> list[BlockKey]:
         """Keys of all full blocks of ``token_ids``; a partial last block has none."""
         # chain() skips the partial tail; converting it costs less than slicing.
         return self.chain(tokens_to_bytes(token_ids), self.root(lora=lora, cache_salt=cache_salt),
                           0, _spans_by_block(mm_spans, self.block_size))
 
     def chain(self, data: memoryview, parent: bytes, first_block: int,
-              mm_extras: dict[int, bytes] | None = None) -> list[bytes]:
+              mm_extras: dict[int, bytes] | None = None) -> list[BlockKey]:
         """Keys of the blocks in ``data`` (whole blocks of u32 LE tokens) that
         follow the block whose digest is ``parent``; ``first_block`` is the
         index of the first of them in the request, used to place mm extras."""
@@ -452,7 +459,7 @@ class BlockHasher:
         nbytes = len(data) - len(data) % step
         suffix = self._suffix
         h = _xxh3_128
-        keys: list[bytes] = []
+        keys: list[BlockKey] = []
         append = keys.append
         if not mm_extras:
             for offset in range(0, nbytes, step):
@@ -518,7 +525,7 @@ class RequestKeys:
         self._block_size = hasher.block_size
         self._parent = hasher.root(lora=lora, cache_salt=cache_salt)
         self._mm_extras = _spans_by_block(mm_spans, hasher.block_size)
-        self._keys: list[bytes] = []
+        self._keys: list[BlockKey] = []
         self._last_block_tokens: list[int] = []
 
     @property
@@ -532,10 +539,10 @@ class RequestKeys:
         return len(self._keys) * self._block_size
 
     @property
-    def keys(self) -> list[bytes]:
+    def keys(self) -> list[BlockKey]:
         return list(self._keys)
 
-    def update(self, token_ids: Sequence[int]) -> list[bytes]:
+    def update(self, token_ids: Sequence[int]) -> list[BlockKey]:
         """Keys of all full blocks of ``token_ids``, hashing only new blocks."""
         bs = self._block_size
         done = len(self._keys) * bs

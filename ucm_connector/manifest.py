@@ -48,6 +48,7 @@ import struct
 import time
 from typing import Iterable
 
+from .blockfmt import DIGEST_NBYTES
 from .hashing import Namespace
 
 # Under "vllm." so that vLLM's log handlers and format apply when the
@@ -57,7 +58,6 @@ logger = logging.getLogger("vllm.ucm_connector.manifest")
 MANIFEST_PREFIX = b"ucm-manifest:"
 MANIFEST_KIND = "ucm-namespace-manifest"
 MANIFEST_VERSION = 1
-DIGEST_NBYTES = 16
 #: A manifest is a few hundred bytes; anything far larger is not one.
 MAX_MANIFEST_NBYTES = 64 << 10
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .hashing import BlockKey
+
 
 @dataclasses.dataclass
 class BlockPlan:
@@ -24,6 +26,6 @@ class BlockPlan:
 
     req_id: str
     block_ids: list[int]
-    keys: list[bytes]
+    keys: list[BlockKey]
     loaded_inputs: list[int] = dataclasses.field(default_factory=list)
     overwrite: bool = False
