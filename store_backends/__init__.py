@@ -1,22 +1,46 @@
 """Stores of KV blocks as opaque bytes under content-address keys.
 
 Knows nothing of vLLM or torch.  ``open_store(url)`` is the way in; see
-``base.KVStore`` for the contract every backend keeps.
+``base.KVStore`` for the contract every backend keeps.  The admin API of
+``shm://`` servers (``list_servers``, ``server_status``...; see
+``store_backends.shm``) is re-exported here for operators, and imported on
+first use: opening a disk or Redis store never loads the shm code.
 """
 
 from .base import KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
 from .registry import ENTRY_POINT_GROUP, known_schemes, open_store, register_scheme, which_store
 
+_SHM_ADMIN = frozenset({"ServerStatus", "ShmServerNotRunning", "UnsafeRuntimeDir", "check_runtime_dir",
+                        "list_servers", "server_running", "server_status", "stop_server", "valid_name"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _SHM_ADMIN:
+        from . import shm
+
+        return getattr(shm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "KVStore",
     "OpenMode",
+    "ServerStatus",
+    "ShmServerNotRunning",
     "StoreError",
     "StoreOpenError",
     "StoreStats",
     "StoreUnavailableError",
+    "UnsafeRuntimeDir",
+    "check_runtime_dir",
     "known_schemes",
+    "list_servers",
     "open_store",
     "register_scheme",
+    "server_running",
+    "server_status",
+    "stop_server",
+    "valid_name",
     "which_store",
 ]

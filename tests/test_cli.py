@@ -457,6 +457,21 @@ def test_config_check_reads_a_yaml_config_file(tmp_path):
     assert not server_running(Paths("cli-yaml"))
 
 
+def test_config_check_says_a_server_connect_shm_store_needs_a_running_server_and_starts_none(unique_name):
+    result = ucm("config", "check", json.dumps({"store": f"shm://{unique_name}?server=connect"}))
+    assert result.returncode == 1
+    assert "server=connect does not start one" in result.stderr
+    assert not server_running(Paths(unique_name))
+
+
+def test_inspecting_an_shm_store_with_no_server_starts_none(unique_name):
+    for args in (["store", "stats", f"shm://{unique_name}"], ["store", "verify", f"shm://{unique_name}"]):
+        result = ucm(*args)
+        assert_one_line_error(result, "no shm server is running", "ucm shm list")
+    assert not server_running(Paths(unique_name))
+    assert not [n for n in os.listdir(Paths(unique_name).rundir) if n.startswith(unique_name + ".")]
+
+
 @pytest.mark.parametrize("extra", [
     {"stor": "disk:///x"},
     {"store": "nonsense"},

@@ -7,6 +7,7 @@ the server and checks that no /dev/shm file of that NAME is left behind.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import random
@@ -21,9 +22,11 @@ import uuid
 
 import pytest
 
-from store_backends import StoreOpenError, StoreUnavailableError, open_store
+from store_backends import OpenMode, StoreOpenError, StoreUnavailableError, open_store, which_store
 from store_backends import shm_server
-from store_backends.shm import ShmStore
+from store_backends.shm import (ServerStatus, ShmServerNotRunning, ShmStore, UnsafeRuntimeDir, check_runtime_dir,
+                                list_servers, server_running, server_status, stop_server, valid_name)
+from store_backends.shm.protocol import REQUEST, Alloc, Flag, Op, Status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -426,6 +429,99 @@ def test_operator_commands_status_and_stop(shm):
     status = subprocess.run(cmd + ["status", shm.name, "--runtime-dir", shm.rundir],
                             capture_output=True, text=True, env=env, timeout=30)
     assert status.returncode == 1
+
+
+# ---------------------------------------------------------------- inspection and the admin API
+
+def test_inspecting_a_name_with_no_server_raises_the_typed_error_and_starts_none(shm):
+    for url, starts_one in ((shm.url(capacity="1MiB"), True), (shm.url(server="connect"), False)):
+        with pytest.raises(ShmServerNotRunning) as err:
+            open_store(url, OpenMode.INSPECT)
+        assert isinstance(err.value, StoreOpenError)
+        assert (err.value.name, err.value.runtime_dir, err.value.starts_one) == (shm.name, shm.rundir, starts_one)
+        assert "no shm server is running" in str(err.value)
+    assert server_processes(shm.name) == []
+    assert os.listdir(shm.rundir) == [] and shm.leftovers() == []
+    assert not server_running(shm.name, shm.rundir)
+
+
+def test_connect_mode_without_a_server_raises_the_typed_error(shm):
+    with pytest.raises(ShmServerNotRunning) as err:
+        open_store(shm.url(server="connect"))
+    assert err.value.name == shm.name and not err.value.starts_one
+
+
+def test_which_store_sees_an_shm_store_only_while_its_server_runs_and_starts_none(shm):
+    url = shm.url(capacity="1MiB")
+    assert which_store(url) is None
+    assert server_processes(shm.name) == [] and os.listdir(shm.rundir) == []
+    with open_store(url) as store:
+        assert store.stats().kind == "shm"
+        assert which_store(url) == "shm"
+
+
+def test_an_inspecting_client_does_not_restart_a_server_that_died(shm):
+    with open_store(shm.url(capacity="1MiB")) as owner:
+        owner.put([b"k"], [b"v"])
+        with open_store(shm.url(capacity="1MiB"), OpenMode.INSPECT) as store:
+            assert store.get([b"k"]) == [b"v"]
+            assert owner.shutdown_server()
+            for _ in range(2):   # noticing the death, then the reconnect
+                with pytest.raises(StoreUnavailableError, match="server is not running|no shm server is running"):
+                    store.contains([b"k"])
+            assert server_processes(shm.name) == [] and not server_running(shm.name, shm.rundir)
+
+
+def test_admin_api_lists_reports_and_stops_a_real_server(shm):
+    assert list_servers(shm.rundir) == []
+    absent = server_status(shm.name, shm.rundir)
+    assert (absent.running, absent.answering, absent.num_blocks) == (False, False, None)
+    with open_store(shm.url(capacity="1MiB", chunk="64KiB")) as store:
+        keys = [b"a", b"b", b"c"]
+        assert store.put(keys, [value_for(k, 100_000) for k in keys]) == [True] * 3
+        server_pid = store.stats().extra["server_pid"]
+    assert list_servers(shm.rundir) == [shm.name]
+    assert server_running(shm.name, shm.rundir)
+    status = server_status(shm.name, shm.rundir)
+    assert isinstance(status, ServerStatus)
+    assert (status.name, status.runtime_dir, status.running, status.answering) == (shm.name, shm.rundir, True, True)
+    assert status.pid == server_pid and server_processes(shm.name) == [server_pid]
+    assert (status.num_blocks, status.nbytes, status.puts) == (3, 300_000, 3)
+    assert (status.capacity_nbytes, status.chunk_nbytes) == (1 << 20, 64 * 1024)
+    assert status.used_nbytes == 3 * 2 * 64 * 1024      # 100 kB values take two chunks each
+    assert status.log_path.startswith(shm.rundir) and status.pid_path.startswith(shm.rundir)
+    assert stop_server(shm.name, shm.rundir)
+    assert list_servers(shm.rundir) == [] and not server_running(shm.name, shm.rundir)
+    assert server_processes(shm.name) == [] and shm.leftovers() == []
+    assert not stop_server(shm.name, shm.rundir)
+
+
+def test_admin_api_refuses_names_that_are_not_shm_names(shm):
+    for bad in ("../etc", "a/b", "", ".."):
+        assert not valid_name(bad)
+        with pytest.raises(ValueError, match="not an shm store name"):
+            server_status(bad, shm.rundir)
+    assert valid_name("-cache") and valid_name(shm.name)
+
+
+def test_check_runtime_dir_refuses_one_others_can_write_in(shm):
+    assert check_runtime_dir(shm.rundir) == shm.rundir
+    os.chmod(shm.rundir, 0o777)
+    with pytest.raises(UnsafeRuntimeDir, match="mode 0777"):
+        check_runtime_dir(shm.rundir)
+
+
+def test_op_codes_are_an_int_enum_with_the_numbers_on_the_wire():
+    # The numbers are the protocol: a running server of an older build
+    # answers clients of a newer one, so they never change.
+    assert issubclass(Op, enum.IntEnum)
+    assert {op.name: op.value for op in Op} == {
+        "HELLO": 1, "CONTAINS": 2, "PREFIX": 3, "GET": 4, "ALLOC": 5, "COMMIT": 6, "ABORT": 7, "DELETE": 8,
+        "STATS": 9, "CLEAR": 10, "SHUTDOWN": 11, "KEYS": 12}
+    assert issubclass(Status, enum.IntEnum) and issubclass(Alloc, enum.IntEnum)
+    assert issubclass(Flag, enum.IntFlag)
+    assert REQUEST.unpack(REQUEST.pack(Op.GET, Flag.NO_TOUCH, 0, 1, 0, 0))[:2] == (Op.GET, Flag.NO_TOUCH)
+    assert Op(REQUEST.unpack(REQUEST.pack(Op.KEYS, 0, 0, 1, 0, 0))[0]) is Op.KEYS
 
 
 # ---------------------------------------------------------------- bad URLs

@@ -8,10 +8,10 @@ test).
 
 What it must not do: import vLLM or torch (it starts in a fraction of a
 second on machines without either), start servers (an ``shm://`` store is
-opened with ``server=connect``), or change a store except where a command
-says so (``verify --repair``, ``clear``, ``shm stop``). Stores are opened with
-``OpenMode.INSPECT``: only one that exists, and a ``disk://`` store without
-evicting down to the capacity its URL names.
+opened with ``OpenMode.INSPECT``), or change a store except where a command
+says so (``verify --repair``, ``clear``, ``shm stop``). ``OpenMode.INSPECT``
+opens only a store that exists, evicts nothing (a ``disk://`` store is not
+cut down to the capacity its URL names) and starts no server.
 
 User errors (a wrong URL, an unreachable server, an unknown namespace) are
 one line on stderr, ``ucm: ...``, saying what to do; never a traceback.
@@ -149,18 +149,6 @@ class Opened:
     shown: str                       # the user's URL, password masked
 
 
-def _query_pairs(query: str) -> list[tuple[str, str]]:
-    return [(item.partition("=")[0], item.partition("=")[2]) for item in query.split("&") if item]
-
-
-def _with_query(url: str, pairs: list[tuple[str, str]]) -> str:
-    """``url`` with its query replaced.  Textual, because urlunsplit drops
-    the empty authority of ``disk:///path``."""
-    base = url.partition("?")[0]
-    query = "&".join(f"{k}={v}" for k, v in pairs)
-    return f"{base}?{query}" if query else base
-
-
 def _disk_path(url: str) -> str | None:
     """The directory of a well-formed disk:// URL (else None: let the store
     explain what is wrong with it)."""
@@ -174,22 +162,7 @@ def _disk_path(url: str) -> str | None:
 def open_for_cli(url: str) -> Opened:
     """Open a store for inspection, without side effects beyond reading."""
     url = url.strip()
-    shown = mask_password(url)
-    scheme = url_scheme(url)
-    if scheme == "shm":
-        from store_backends import shm_server
-
-        parts = urllib.parse.urlsplit(url)
-        pairs = _query_pairs(parts.query)
-        rundir = dict(pairs).get("runtime_dir")
-        name = parts.netloc
-        if shm_server.valid_name(name) and not shm_server.server_running(
-                shm_server.Paths(name, urllib.parse.unquote(rundir) if rundir else None)):
-            raise StoreOpenError(
-                f"store '{shown}': no shm server is running for {name!r}, so nothing is stored there "
-                f"(an shm store lives as long as its server); `ucm shm list` shows the running ones")
-        url = _with_query(url, [(k, v) for k, v in pairs if k != "server"] + [("server", "connect")])
-    return Opened(open_store(url, OpenMode.INSPECT), shown)
+    return Opened(open_store(url, OpenMode.INSPECT), mask_password(url))
 
 
 # -- walking a store -------------------------------------------------------------
@@ -714,23 +687,14 @@ def _check_disk_url(url: str, shown: str) -> tuple[bool, str]:
 
 
 def _check_shm_url(url: str, shown: str) -> tuple[bool, str]:
-    from store_backends import shm_server
+    from store_backends import ShmServerNotRunning
 
-    parts = urllib.parse.urlsplit(url)
-    pairs = dict(_query_pairs(parts.query))
-    rundir = pairs.get("runtime_dir")
-    name = parts.netloc
-    running = shm_server.valid_name(name) and shm_server.server_running(
-        shm_server.Paths(name, urllib.parse.unquote(rundir) if rundir else None))
-    probe = _with_query(url, [(k, v) for k, v in _query_pairs(parts.query) if k != "server"]
-                        + [("server", "connect")])
     try:
-        with open_store(probe) as store:
+        with open_store(url, OpenMode.INSPECT) as store:
             stats = store.stats()
-    except StoreOpenError as exc:
-        if running or "no shm server is running" not in str(exc):
-            raise StoreOpenError(str(exc).replace(mask_password(probe), shown)) from None
-        if pairs.get("server", "embedded").strip().lower() == "connect":
+    except ShmServerNotRunning as exc:
+        name = exc.name
+        if not exc.starts_one:
             return False, (f"store '{shown}': no shm server is running for {name!r} and server=connect does "
                            f"not start one; start it with `python -m store_backends.shm_server serve {name}`")
         return True, f"no shm server is running for {name!r} yet; the connector starts one"
@@ -842,9 +806,9 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 # -- ucm shm list / status / stop ------------------------------------------------------
 
 def _shm_name(name: str) -> str:
-    from store_backends import shm_server
+    from store_backends import valid_name
 
-    if not shm_server.valid_name(name):
+    if not valid_name(name):
         raise UserError(f"{name!r} is not an shm store name: letters, digits, '-', '_' and '.', "
                         f"at most 80 characters")
     return name
@@ -853,96 +817,82 @@ def _shm_name(name: str) -> str:
 def _shm_runtime_dir(rundir: str | None) -> str:
     """The runtime directory, refused if others could have planted a server
     in it (the servers' answers are printed and acted on)."""
-    from store_backends import shm_server
+    from store_backends import UnsafeRuntimeDir, check_runtime_dir
 
-    directory = shm_server.runtime_dir(rundir)
     try:
-        shm_server.check_rundir(directory)
-    except shm_server.UnsafeRuntimeDir as exc:
+        return check_runtime_dir(rundir)
+    except UnsafeRuntimeDir as exc:
         raise UserError(str(exc)) from None
-    return directory
-
-
-def _running_shm_names(directory: str) -> list[str]:
-    from store_backends import shm_server
-
-    try:
-        entries = sorted(os.listdir(directory))
-    except OSError:
-        return []
-    names = [e[:-len(".pid")] for e in entries if e.endswith(".pid")]
-    return [n for n in names if shm_server.valid_name(n)
-            and shm_server.server_running(shm_server.Paths(n, directory))]
 
 
 def cmd_shm_list(args: argparse.Namespace) -> int:
-    from store_backends import shm_server
+    from store_backends import list_servers, server_status
 
     directory = _shm_runtime_dir(args.runtime_dir)
-    names = _running_shm_names(directory)
+    names = list_servers(directory)
     if args.json:
         print(json.dumps({"runtime_dir": directory, "running": names}, indent=2))
         return EXIT_OK
     if not names:
         print(f"no shm server is running (runtime dir {directory})")
     for name in names:
-        info = shm_server.server_status(name, directory)
-        if info is None:
+        status = server_status(name, directory)
+        if not status.answering:
             print(f"shm://{name}  (not answering)")
         else:
-            print(f"shm://{name}  {_plural(info['num_blocks'], 'block')}, {_nbytes(info['nbytes'])} of "
-                  f"{_nbytes(info['capacity_nbytes'])}, pid {info['pid']}")
+            print(f"shm://{name}  {_plural(status.num_blocks, 'block')}, {_nbytes(status.nbytes)} of "
+                  f"{_nbytes(status.capacity_nbytes)}, pid {status.pid}")
     return EXIT_OK
 
 
 def cmd_shm_status(args: argparse.Namespace) -> int:
-    from store_backends import shm_server
+    from store_backends import server_status
 
     name = _shm_name(args.name)
     directory = _shm_runtime_dir(args.runtime_dir)
-    info = shm_server.server_status(name, directory)
-    if info is None:
-        running = shm_server.server_running(shm_server.Paths(name, directory))
+    status = server_status(name, directory)
+    if not status.answering:
         raise UserError(
-            f"the shm server of {name!r} is running but does not answer; see {shm_server.Paths(name, directory).log}"
-            if running else
+            f"the shm server of {name!r} is running but does not answer; see {status.log_path}"
+            if status.running else
             f"no shm server is running for {name!r} (runtime dir {directory}); `ucm shm list` shows the running ones")
     if args.json:
-        print(json.dumps(info, indent=2, sort_keys=True))
+        print(json.dumps(status.to_dict(), indent=2, sort_keys=True))
         return EXIT_OK
-    capacity = info["capacity_nbytes"]
-    used = info["used_chunks"] * info["chunk_nbytes"]
-    print(f"shm://{name}: server pid {info['pid']}, up {info['uptime_s'] / 3600:.1f} h")
-    print(f"  {_plural(info['num_blocks'], 'block')}, {_nbytes(info['nbytes'])} of values in {_nbytes(used)} "
+    capacity = status.capacity_nbytes
+    used = status.used_nbytes
+    print(f"shm://{name}: server pid {status.pid}, up {status.uptime_s / 3600:.1f} h")
+    print(f"  {_plural(status.num_blocks, 'block')}, {_nbytes(status.nbytes)} of values in {_nbytes(used)} "
           f"of chunks; capacity {_nbytes(capacity)} ({100 * used / capacity:.1f}% used), "
-          f"chunk {_nbytes(info['chunk_nbytes'])}")
-    print(f"  gets {info.get('gets', 0)}, hits {info.get('hits', 0)}, misses {info.get('misses', 0)}, "
-          f"puts {info.get('puts', 0)}, put failures {info.get('put_failures', 0)}, "
-          f"evictions {info.get('evictions', 0)}")
-    print(f"  open write leases {info['num_leases']} ({info['leased_chunks']} chunks), "
-          f"leases reclaimed {info.get('leases_reclaimed', 0)}, idle timeout "
-          f"{'never' if info.get('idle_timeout_s') is None else str(info['idle_timeout_s']) + ' s'}")
-    print(f"  segment {info['data_path']}")
+          f"chunk {_nbytes(status.chunk_nbytes)}")
+    print(f"  gets {status.gets}, hits {status.hits}, misses {status.misses}, "
+          f"puts {status.puts}, put failures {status.put_failures}, "
+          f"evictions {status.evictions}")
+    print(f"  open write leases {status.num_leases} ({status.leased_chunks} chunks), "
+          f"leases reclaimed {status.leases_reclaimed}, idle timeout "
+          f"{'never' if status.idle_timeout_s is None else str(status.idle_timeout_s) + ' s'}")
+    print(f"  segment {status.data_path}")
     return EXIT_OK
 
 
 def cmd_shm_stop(args: argparse.Namespace) -> int:
-    from store_backends import shm_server
+    from store_backends import server_running, server_status, stop_server
 
     name = _shm_name(args.name)
     directory = _shm_runtime_dir(args.runtime_dir)
-    if not shm_server.server_running(shm_server.Paths(name, directory)):
+    if not server_running(name, directory):
         raise UserError(f"no shm server is running for {name!r} (runtime dir {directory}); nothing to stop")
-    info = shm_server.server_status(name, directory)
-    held = f" and its {_plural(info['num_blocks'], 'block')} ({_nbytes(info['nbytes'])})" if info else ""
+    status = server_status(name, directory)
+    held = (f" and its {_plural(status.num_blocks, 'block')} ({_nbytes(status.nbytes)})"
+            if status.answering else "")
     if not _confirm(f"Stop the shm server of {name!r}{held}? Engines using shm://{name} lose those blocks.",
                     args.yes):
         _error("not confirmed; the server keeps running (--yes stops it without asking)")
         return EXIT_PROBLEMS
     try:
-        shm_server.stop_server(name, directory, timeout_s=args.timeout)
+        stop_server(name, directory, timeout_s=args.timeout)
     except TimeoutError as exc:
-        raise UserError(f"{exc}; its pid is in {shm_server.Paths(name, directory).pid_lock}", EXIT_STORE) from None
+        raise UserError(f"{exc}; its pid is in {status.pid_path}", EXIT_STORE) from None
     print(f"stopped the shm server of {name!r}")
     return EXIT_OK
 
@@ -961,11 +911,11 @@ def _take_shm_name(args: argparse.Namespace, extras: list[str]) -> list[str]:
     unknown token that is a valid name is the NAME; the other extras are
     returned (and refused).  ``-- NAME`` always works, also for a NAME that is
     one of the command's options (``-y``)."""
-    from store_backends import shm_server
+    from store_backends import valid_name
 
     if args.name is None:
         for i, token in enumerate(extras):
-            if shm_server.valid_name(token):
+            if valid_name(token):
                 args.name = token
                 return extras[:i] + extras[i + 1:]
         args.shm_name_parser.error("the following arguments are required: NAME")

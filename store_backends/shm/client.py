@@ -1,13 +1,21 @@
-"""``shm://NAME``: a store in shared memory for all processes of a host.
+"""The client of an ``shm://NAME`` store: ``ShmStore``, the KVStore engines use.
 
 The values live in a data segment under /dev/shm that every client maps; a
-small index server (``shm_server``, one per NAME, started on demand and
-detached so it outlives the process that started it) owns the LRU index and
-hands out chunks of the segment.  This module is the client: it packs
+small index server (``server``, one per NAME, started on demand and detached
+so it outlives the process that started it) owns the LRU index and hands out
+chunks of the segment.  This module owns the client's side: it parses the
+URL, starts a server where the URL and the open mode allow it, packs
 requests, copies values between the caller's buffers and the segment (once,
 with no intermediate buffer), and checks the chunk generations after each
 read so that a value overwritten or evicted during the copy is a miss, never
-a wrong value.  See ``shm_server`` for the protocol and the file layout.
+a wrong value.  It must not keep the index or decide evictions (the
+server's), nor define the wire format (``protocol``) or the file layout
+(``paths``); it maps only the segments the protocol names.
+
+Opened with ``OpenMode.INSPECT`` (for operators), it never starts a server,
+also not after the server died: with none running, opening raises
+``ShmServerNotRunning`` (a ``StoreOpenError``); its ``server`` option is then
+ignored.
 
 URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
 
@@ -34,7 +42,7 @@ URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
   map it up front in each client, so that no copy pays page faults and no
   client can hit SIGBUS on a full /dev/shm.
 * ``runtime_dir``: where the control socket and lock files go.  It must be
-  this user's and writable by no one else (``shm_server.check_rundir``).
+  this user's and writable by no one else (``paths.check_rundir``).
 """
 
 from __future__ import annotations
@@ -56,15 +64,22 @@ from typing import Iterator, Sequence
 import numpy as np
 import zmq
 
-from . import shm_server as proto
-from .base import Buffer, KVStore, byte_view, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
-from .urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_url
+from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError,
+                    byte_view)
+from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_url
+from . import admin
+from .paths import Paths, ShmServerNotRunning, UnsafeRuntimeDir, name_arg, valid_name
+from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EXIT_ALREADY_RUNNING, PROTOCOL_VERSION,
+                       REPLY, REQUEST, Alloc, Flag, Op, Status, pack_keys, unpack_keys)
 
 _OPTIONS = {"capacity", "chunk", "server", "idle_timeout", "lease_timeout", "timeout", "overwrite",
             "prefault", "runtime_dir"}
 _POLL_SLICE_MS = 50
 _START_TIMEOUT_S = 60.0
-
+# Plain ints for the per-key loops of put (an enum member compares slower).
+_ALLOC_NEW = int(Alloc.NEW)
+_ALLOC_PRESENT = int(Alloc.PRESENT)
+_ALLOC_FAILED = int(Alloc.FAILED)
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -130,7 +145,7 @@ class _Segments:
 
     __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "_maps")
 
-    def __init__(self, info: dict, paths: proto.Paths, populate: bool) -> None:
+    def __init__(self, info: dict, paths: Paths, populate: bool) -> None:
         try:
             self.epoch = int(info["epoch"])
             self.server_pid = int(info["pid"])
@@ -138,17 +153,17 @@ class _Segments:
             self.num_chunks = int(info["num_chunks"])
         except (KeyError, TypeError, ValueError) as exc:
             raise _BadServer(f"the shm server's HELLO is malformed ({exc!r}); stop it "
-                             f"(`ucm shm stop {proto.name_arg(paths.name)}`)") from None
+                             f"(`ucm shm stop {name_arg(paths.name)}`)") from None
         if not (0 < self.epoch < 2**64 and self.chunk > 0 and 0 < self.num_chunks < 2**31):
             raise _BadServer(f"the shm server's HELLO is malformed (epoch {self.epoch}, chunk {self.chunk}, "
-                             f"{self.num_chunks} chunks); stop it (`ucm shm stop {proto.name_arg(paths.name)}`)")
+                             f"{self.num_chunks} chunks); stop it (`ucm shm stop {name_arg(paths.name)}`)")
         data_mm = _map_segment(info.get("data_path"), paths.segment(self.epoch, "data"),
                                self.chunk * self.num_chunks, writable=True, populate=populate,
-                               server_pid=self.server_pid, name_arg=proto.name_arg(paths.name))
+                               server_pid=self.server_pid, name_arg=name_arg(paths.name))
         try:
             gen_mm = _map_segment(info.get("gen_path"), paths.segment(self.epoch, "gen"), self.num_chunks * 8,
                                   writable=False, populate=False, server_pid=self.server_pid,
-                                  name_arg=proto.name_arg(paths.name))
+                                  name_arg=name_arg(paths.name))
         except BaseException:
             data_mm.close()
             raise
@@ -177,12 +192,14 @@ class ShmStore(KVStore):
     the server over its own socket; copies run in parallel."""
 
     def __init__(self, name: str, *, capacity_nbytes: int = 1 << 30,
-                 chunk_nbytes: int = proto.DEFAULT_CHUNK_NBYTES, server: str = "embedded",
-                 idle_timeout_s: float | None = None, lease_timeout_s: float = proto.DEFAULT_LEASE_TIMEOUT_S,
+                 chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, server: str = "embedded",
+                 idle_timeout_s: float | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  timeout_s: float = 5.0, overwrite: bool = False, prefault: bool = True,
-                 runtime_dir: str | None = None, url: str | None = None) -> None:
+                 runtime_dir: str | None = None, url: str | None = None,
+                 open_mode: OpenMode | str = OpenMode.SERVE) -> None:
         self.url = mask_password(url) if url else f"shm://{name}"
-        if not isinstance(name, str) or not proto.valid_name(name):
+        self.open_mode = OpenMode(open_mode)
+        if not isinstance(name, str) or not valid_name(name):
             raise StoreOpenError(
                 f"store '{self.url}': the name {name!r} may hold only letters, digits, '-', '_' and '.' "
                 f"(at most 80 characters)")
@@ -196,16 +213,19 @@ class ShmStore(KVStore):
         if timeout_s <= 0:
             raise StoreOpenError(f"store '{self.url}': timeout must be positive")
         self.name = name
-        self._name_arg = proto.name_arg(name)  # as shown in commands to run
+        self._name_arg = name_arg(name)  # as shown in commands to run
         self.capacity_nbytes = capacity_nbytes
         self.chunk_nbytes = chunk_nbytes
         self.mode = server
+        # Whether this client starts a server when none runs (on open and
+        # after the server died): never when inspecting.
+        self._starts_server = server == "embedded" and self.open_mode is OpenMode.SERVE
         self.idle_timeout_s = idle_timeout_s
         self.lease_timeout_s = lease_timeout_s
         self.timeout_s = timeout_s
         self.overwrite = overwrite
         self.prefault = prefault
-        self.paths = proto.Paths(name, os.path.abspath(runtime_dir) if runtime_dir else None)
+        self.paths = Paths(name, os.path.abspath(runtime_dir) if runtime_dir else None)
         if len(self.paths.socket.encode()) > 100:
             raise StoreOpenError(
                 f"store '{self.url}': the control socket path {self.paths.socket!r} is too long for a "
@@ -236,7 +256,10 @@ class ShmStore(KVStore):
             raise StoreOpenError(f"store '{self.url}': {exc}") from exc
 
     @classmethod
-    def from_url(cls, url: str) -> "ShmStore":
+    def from_url(cls, url: str, mode: OpenMode | str = OpenMode.SERVE) -> "ShmStore":
+        """Open the store an ``shm://`` URL names.  ``mode``: ``OpenMode.SERVE``
+        starts a server as the URL's ``server`` option says; ``INSPECT`` never
+        does, and raises ``ShmServerNotRunning`` when none runs."""
         masked = mask_password(url)
         parts = split_url(url)
         if parts.scheme.lower() != "shm":
@@ -268,7 +291,7 @@ class ShmStore(KVStore):
             kwargs["prefault"] = parse_bool(opts["prefault"], url=url, name="prefault")
         if "runtime_dir" in opts:
             kwargs["runtime_dir"] = opts["runtime_dir"]
-        return cls(name, url=url, **kwargs)  # type: ignore[arg-type]
+        return cls(name, url=url, open_mode=mode, **kwargs)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ transport
 
@@ -317,19 +340,19 @@ class ShmStore(KVStore):
         rid = next(self._rids) & 0xFFFFFFFF
         # copy=False: frames above zmq's copy threshold (a large key batch)
         # go out without an extra copy; small ones are copied anyway.
-        sock.send_multipart([proto.REQUEST.pack(op, flags, key_len, rid, epoch, arg), *frames], copy=False)
+        sock.send_multipart([REQUEST.pack(op, flags, key_len, rid, epoch, arg), *frames], copy=False)
         while True:
             slice_ms = min(_POLL_SLICE_MS, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
             if sock.poll(slice_ms):
                 reply = sock.recv_multipart()
-                status, reply_rid, reply_epoch = proto.REPLY.unpack(reply[0])
+                status, reply_rid, reply_epoch = REPLY.unpack(reply[0])
                 if reply_rid != rid:
                     continue  # the late answer to a request that timed out
-                if status == proto.ST_ERROR:
+                if status == Status.ERROR:
                     raise StoreError(f"store '{self.url}': the shm server rejected a request: "
                                      f"{reply[1].decode(errors='replace') if len(reply) > 1 else '?'}")
                 return status, reply_epoch, reply[1:]
-            if not proto.server_running(self.paths):
+            if not self.paths.server_running():
                 self._invalidate_sockets()
                 raise _NoAnswer("the shm server is not running")
             if time.monotonic() >= deadline:
@@ -347,9 +370,9 @@ class ShmStore(KVStore):
             self._seg_broken = True
 
     def _unavailable(self, exc: Exception) -> StoreUnavailableError:
-        if proto.server_running(self.paths):
+        if self.paths.server_running():
             hint = f"; it is running but busy or stopped (`ucm shm status {self._name_arg}`)"
-        elif self.mode == "embedded":
+        elif self._starts_server:
             hint = "; the next call starts a new server (its contents are lost)"
         else:
             hint = f"; start one with `python -m store_backends.shm_server serve {self._name_arg}`"
@@ -363,12 +386,12 @@ class ShmStore(KVStore):
         """The server's description of itself; None when no server runs.
         Raises ``_NoAnswer`` when one runs but does not answer: starting
         another would not help (it would find the PID lock held)."""
-        if not proto.server_running(self.paths):
+        if not self.paths.server_running():
             return None
         try:
-            status, _epoch, frames = self._call(proto.OP_HELLO, deadline=deadline)
+            status, _epoch, frames = self._call(Op.HELLO, deadline=deadline)
         except _NoAnswer:
-            if proto.server_running(self.paths):
+            if self.paths.server_running():
                 raise
             return None
         try:
@@ -377,10 +400,22 @@ class ShmStore(KVStore):
             info = None
         if not isinstance(info, dict):
             raise _BadServer(f"the shm server's HELLO is malformed; stop it (`ucm shm stop {self._name_arg}`)")
-        if info.get("protocol") != proto.PROTOCOL_VERSION:
+        if info.get("protocol") != PROTOCOL_VERSION:
             raise StoreOpenError(f"store '{self.url}': the running shm server speaks protocol "
-                                 f"{info.get('protocol')}, this client {proto.PROTOCOL_VERSION}; stop it first")
+                                 f"{info.get('protocol')}, this client {PROTOCOL_VERSION}; stop it first")
         return info
+
+    def _not_running(self, opening: bool) -> StoreError:
+        if self.open_mode is OpenMode.INSPECT:
+            msg = (f"no shm server is running for {self.name!r}, so nothing is stored there (an shm store "
+                   f"lives as long as its server); `ucm shm list` shows the running ones")
+        else:
+            msg = (f"no shm server is running for {self.name!r} (server=connect); start one with `python -m "
+                   f"store_backends.shm_server serve {self._name_arg}` or use server=embedded")
+        if not opening:
+            return StoreUnavailableError(f"store '{self.url}' unavailable: {msg}")
+        return ShmServerNotRunning(f"store '{self.url}': {msg}", name=self.name, runtime_dir=self.paths.rundir,
+                                   starts_one=self.mode == "embedded")
 
     def _refusal(self, msg: str, opening: bool) -> StoreError:
         if opening:
@@ -411,16 +446,14 @@ class ShmStore(KVStore):
         try:
             # On every (re)connect, never per operation: one stat.
             self.paths.check_rundir()
-        except proto.UnsafeRuntimeDir as exc:
+        except UnsafeRuntimeDir as exc:
             raise self._refusal(str(exc), opening) from None
         self._new_sockets()
         try:
             info = self._hello(deadline or self._deadline())
             if info is None:
-                if self.mode == "connect":
-                    raise self._refusal(
-                        f"no shm server is running for {self.name!r} (server=connect); start one with `python -m "
-                        f"store_backends.shm_server serve {self._name_arg}` or use server=embedded", opening)
+                if not self._starts_server:
+                    raise self._not_running(opening)
                 self._start_server(deadline)
                 self._new_sockets()
                 info = self._hello(deadline or self._deadline())
@@ -468,9 +501,11 @@ class ShmStore(KVStore):
         deadline passes goes on starting, and a later call finds it."""
         import fcntl
 
+        if not self._starts_server:  # the one guard: an inspecting client starts nothing
+            raise self._not_running(deadline is None)
         try:
             self.paths.ensure_rundir()
-        except proto.UnsafeRuntimeDir as exc:
+        except UnsafeRuntimeDir as exc:
             raise StoreOpenError(f"store '{self.url}': {exc}") from None
         if deadline is None:
             # Reserving the memory takes about a second per GiB on a slow host.
@@ -487,7 +522,7 @@ class ShmStore(KVStore):
                             f"store '{self.url}' unavailable: another process is starting the shm server "
                             f"and has not finished in time ({self.paths.start_lock})")
                     time.sleep(0.01)
-            if proto.server_running(self.paths):
+            if self.paths.server_running():
                 return  # started by whoever held the lock before us
             cmd = [sys.executable, "-m", "store_backends.shm_server", "serve",
                    "--capacity", str(self.capacity_nbytes), "--chunk", str(self.chunk_nbytes),
@@ -500,7 +535,8 @@ class ShmStore(KVStore):
             # After "--": a NAME may start with '-' and must not read as an option.
             cmd += ["--", self.name]
             env = dict(os.environ)
-            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            # The directory holding the store_backends package.
+            package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
             wait_s = max(0.001, deadline - time.monotonic())
             try:
@@ -510,7 +546,7 @@ class ShmStore(KVStore):
             except subprocess.TimeoutExpired as exc:
                 raise StoreUnavailableError(f"store '{self.url}' unavailable: the shm server did not get "
                                             f"ready within {wait_s:.1f}s; see {self.paths.log}") from exc
-            if done.returncode not in (0, proto.EXIT_ALREADY_RUNNING):
+            if done.returncode not in (0, EXIT_ALREADY_RUNNING):
                 detail = done.stderr.decode(errors="replace").strip() or f"exit status {done.returncode}"
                 raise StoreOpenError(f"store '{self.url}': could not start the shm server: {detail}")
         finally:
@@ -540,7 +576,7 @@ class ShmStore(KVStore):
                                                 arg=arg, epoch=seg.epoch if bound else 0)
             except _NoAnswer as exc:
                 raise self._unavailable(exc) from None
-            if status == proto.ST_STALE or (bound and epoch != seg.epoch):
+            if status == Status.STALE or (bound and epoch != seg.epoch):
                 with self._lock:
                     self._seg_broken = True
                 continue
@@ -555,14 +591,14 @@ class ShmStore(KVStore):
         if not keys:
             return []
         srcs = [byte_view(v, writable=False) for v in values]
-        key_len, key_frames = proto.pack_keys(keys)
+        key_len, key_frames = pack_keys(keys)
         sizes = array.array("q", [s.nbytes for s in srcs])
-        flags = proto.FLAG_OVERWRITE if self.overwrite else 0
+        flags = int(Flag.OVERWRITE) if self.overwrite else 0
         # One deadline for the waits of both requests; the copy between them
         # is not waiting on the server, so it extends the deadline.
         deadline = self._deadline()
         try:
-            seg, _status, out = self._request(proto.OP_ALLOC, [*key_frames, sizes.tobytes()], key_len=key_len,
+            seg, _status, out = self._request(Op.ALLOC, [*key_frames, sizes.tobytes()], key_len=key_len,
                                               flags=flags, arg=os.getpid(), deadline=deadline)
         except StoreUnavailableError:
             # put never raises into the hot path for a medium that is gone;
@@ -574,14 +610,14 @@ class ShmStore(KVStore):
         runs = array.array("i", out[3])
         data = seg.data
         chunk = seg.chunk
-        result = [s == proto.ALLOC_PRESENT for s in status]
+        result = [s == _ALLOC_PRESENT for s in status]
         if not lease_id:
             return result
         pos = 0
         copy_started = time.monotonic()
         try:
             for i, st in enumerate(status):
-                if st != proto.ALLOC_NEW:
+                if st != _ALLOC_NEW:
                     continue
                 src = srcs[i]
                 size = sizes[i]
@@ -599,27 +635,27 @@ class ShmStore(KVStore):
                 pos = end
         except BaseException:
             try:
-                self._call(proto.OP_ABORT, arg=lease_id, epoch=seg.epoch,
+                self._call(Op.ABORT, arg=lease_id, epoch=seg.epoch,
                            deadline=deadline + time.monotonic() - copy_started)
             except (_NoAnswer, StoreError):
                 pass  # the sweep reclaims the lease once this process is gone
             raise
         deadline += time.monotonic() - copy_started
         try:
-            _seg, commit_status, _ = self._request(proto.OP_COMMIT, arg=lease_id, deadline=deadline)
+            _seg, commit_status, _ = self._request(Op.COMMIT, arg=lease_id, deadline=deadline)
         except StoreUnavailableError:
             return [r for r in result]
-        if commit_status == proto.ST_OK:
-            return [st != proto.ALLOC_FAILED for st in status]
+        if commit_status == Status.OK:
+            return [st != _ALLOC_FAILED for st in status]
         return result
 
     def _lookup(self, keys: Sequence[bytes], flags: int = 0):
-        key_len, key_frames = proto.pack_keys(keys)
+        key_len, key_frames = pack_keys(keys)
         late = 0
-        if not flags & proto.FLAG_NO_TOUCH:
+        if not flags & Flag.NO_TOUCH:
             with self._lock:
                 late, self._late_misses = self._late_misses, 0
-        seg, _status, out = self._request(proto.OP_GET, key_frames, key_len=key_len, arg=late, flags=flags)
+        seg, _status, out = self._request(Op.GET, key_frames, key_len=key_len, arg=late, flags=flags)
         sizes = array.array("q", out[0])
         gens = np.frombuffer(out[1], dtype=np.uint64)
         firsts = np.frombuffer(out[2], dtype=np.int32)
@@ -722,7 +758,7 @@ class ShmStore(KVStore):
             return []
         if nbytes is not None and nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        seg, sizes, gens, firsts, nruns, runs = self._lookup(keys, flags=proto.FLAG_NO_TOUCH)
+        seg, sizes, gens, firsts, nruns, runs = self._lookup(keys, flags=Flag.NO_TOUCH)
         data = seg.data
         chunk = seg.chunk
         out: list[tuple[int, bytes] | None] = [None] * len(keys)
@@ -753,7 +789,7 @@ class ShmStore(KVStore):
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
         try:
-            _seg, _status, out = self._request(proto.OP_KEYS, bound=False)
+            _seg, _status, out = self._request(Op.KEYS, bound=False)
         except StoreUnavailableError:
             raise
         except StoreError as exc:
@@ -763,39 +799,39 @@ class ShmStore(KVStore):
                 f"store '{self.url}': the running shm server predates key listing; restart it to use "
                 f"this (`ucm shm stop {self._name_arg}`; its blocks are dropped)") from None
         key_len = int.from_bytes(out[0], "little", signed=True)
-        keys, _ = proto.unpack_keys(key_len, out[1:])
+        keys, _ = unpack_keys(key_len, out[1:])
         for start in range(0, len(keys), batch):
             yield keys[start:start + batch]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
-        key_len, key_frames = proto.pack_keys(keys)
-        _seg, _status, out = self._request(proto.OP_CONTAINS, key_frames, key_len=key_len, bound=False)
+        key_len, key_frames = pack_keys(keys)
+        _seg, _status, out = self._request(Op.CONTAINS, key_frames, key_len=key_len, bound=False)
         return np.frombuffer(out[0], dtype=np.bool_).tolist()
 
     def prefix_len(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-        key_len, key_frames = proto.pack_keys(keys)
-        _seg, _status, out = self._request(proto.OP_PREFIX, key_frames, key_len=key_len, bound=False)
+        key_len, key_frames = pack_keys(keys)
+        _seg, _status, out = self._request(Op.PREFIX, key_frames, key_len=key_len, bound=False)
         return int.from_bytes(out[0], "little", signed=True)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         if not keys:
             return
-        key_len, key_frames = proto.pack_keys(keys)
-        self._request(proto.OP_DELETE, key_frames, key_len=key_len, bound=False)
+        key_len, key_frames = pack_keys(keys)
+        self._request(Op.DELETE, key_frames, key_len=key_len, bound=False)
 
     def clear(self) -> None:
         """Remove every block (for operators and tests)."""
-        self._request(proto.OP_CLEAR, bound=False)
+        self._request(Op.CLEAR, bound=False)
 
     def stats(self) -> StoreStats:
         with self._lock:
             late, self._late_misses = self._late_misses, 0
             torn = self._torn_reads
-        _seg, _status, out = self._request(proto.OP_STATS, arg=late, bound=False)
+        _seg, _status, out = self._request(Op.STATS, arg=late, bound=False)
         info = json.loads(out[0])
         extra = {k: info[k] for k in ("epoch", "pid", "chunk_nbytes", "num_chunks", "free_chunks",
                                       "leased_chunks", "used_chunks", "num_leases", "uptime_s",
@@ -805,6 +841,7 @@ class ShmStore(KVStore):
         extra["data_path"] = info.get("data_path")
         return StoreStats(
             url=self.url,
+            kind="shm",
             num_blocks=info["num_blocks"],
             nbytes=info["nbytes"],
             capacity_nbytes=info["capacity_nbytes"],
@@ -821,7 +858,7 @@ class ShmStore(KVStore):
         """Stop the server of this NAME (its blocks are gone) and close this
         client.  True if a server was running."""
         try:
-            stopped = proto.stop_server(self.name, self.paths.rundir, timeout_s=timeout_s)
+            stopped = admin.stop_server(self.name, self.paths.rundir, timeout_s=timeout_s)
         finally:
             self.close()
         return stopped

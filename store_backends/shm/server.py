@@ -1,0 +1,623 @@
+"""The index server of an ``shm://NAME`` store: one process per NAME and host.
+
+Owns the index and the chunks: the values live in a shared-memory data
+segment that every client maps, and the server never touches them.  It hands
+out chunks of the data segment, keeps the LRU index ``key -> chunks + size``,
+and bumps a per-chunk generation counter (in a small second segment that
+clients map read-only) whenever it frees a chunk.  A reader copies a value
+and then re-reads the generation of the value's first chunk: if it changed,
+the value may have been overwritten during the copy and the read is a miss.
+Readers therefore pin nothing, and a reader that dies leaves nothing behind.
+
+Writers allocate chunks under a lease (one request), copy their values in,
+and commit (a second request); a value becomes visible only at commit.  The
+leases of writers whose process is gone are reclaimed by a periodic sweep; a
+lease that is merely old is reclaimed only after ``lease_timeout``, because
+reclaiming chunks that a live, slow writer is still filling would corrupt
+their next owner.
+
+Also owns the server's command line, ``python -m store_backends.shm_server
+serve|stop|status NAME`` (``main``), and detaching a started server.  Must
+not be imported by engines or operators for anything but starting a server:
+the wire format is ``protocol``'s, file names are ``paths``', and asking a
+running server anything is ``admin``'s or the client's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import collections
+import errno
+import fcntl
+import json
+import os
+import secrets
+import signal
+import struct
+import sys
+import time
+
+import numpy as np
+import zmq
+
+from ..process import pid_alive
+from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, valid_name
+from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EPOCH_FREE_OPS, EXIT_ALREADY_RUNNING,
+                       PROTOCOL_VERSION, REPLY, REQUEST, Alloc, Flag, Op, Status, pack_keys, unpack_keys)
+
+SWEEP_INTERVAL_S = 0.5
+
+
+# ---------------------------------------------------------------- the server
+
+class Entry:
+    """A committed value: ``runs`` is (start, count) int32 pairs as bytes."""
+
+    __slots__ = ("size", "runs", "nruns", "nchunks", "first", "gen")
+
+    def __init__(self, size: int, runs: bytes, nruns: int, nchunks: int, first: int, gen: int) -> None:
+        self.size = size
+        self.runs = runs
+        self.nruns = nruns
+        self.nchunks = nchunks
+        self.first = first
+        self.gen = gen
+
+
+class Lease:
+    """Chunks handed to one writer and not yet committed."""
+
+    __slots__ = ("pid", "created", "overwrite", "items")
+
+    def __init__(self, pid: int, overwrite: bool) -> None:
+        self.pid = pid
+        self.created = time.monotonic()
+        self.overwrite = overwrite
+        self.items: list[tuple[bytes, Entry, list[tuple[int, int]]]] = []
+
+
+class IndexServer:
+    def __init__(self, name: str, *, capacity_nbytes: int, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+                 idle_timeout_s: float | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+                 prefault: bool = True, rundir: str | None = None) -> None:
+        if chunk_nbytes <= 0 or chunk_nbytes % 64:
+            raise ValueError(f"chunk={chunk_nbytes} must be a positive multiple of 64 bytes")
+        num_chunks = capacity_nbytes // chunk_nbytes
+        if num_chunks < 1:
+            raise ValueError(f"capacity={capacity_nbytes} is smaller than one chunk ({chunk_nbytes} bytes)")
+        if num_chunks >= 2**31:
+            raise ValueError("capacity / chunk must be below 2**31 chunks; use a larger chunk")
+        self.paths = Paths(name, rundir)
+        self.name = name
+        self.chunk_nbytes = chunk_nbytes
+        self.num_chunks = num_chunks
+        self.idle_timeout_s = idle_timeout_s
+        self.lease_timeout_s = lease_timeout_s
+        self.prefault = prefault
+        self.epoch = int.from_bytes(secrets.token_bytes(8), "little") or 1
+        self.index: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
+        self.free: collections.deque[tuple[int, int]] = collections.deque([(0, num_chunks)])
+        self.free_chunks = num_chunks
+        self.leased_chunks = 0
+        self.leases: dict[int, Lease] = {}
+        self.next_lease = 1
+        self.nbytes = 0
+        self.counters = collections.Counter()
+        self.stopping = False
+        self.pid_fd = -1
+        self.gen: np.ndarray | None = None
+        self._gen_mm = None
+        self.started = time.time()
+
+    # -- life cycle
+
+    def acquire_pid_lock(self) -> bool:
+        self.paths.ensure_rundir()
+        fd = os.open(self.paths.pid_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # A client probing liveness holds it shared for an instant;
+                # a live server holds it for good.
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.01)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.pid_fd = fd
+        return True
+
+    def create_segments(self) -> None:
+        import mmap
+
+        # The PID lock proves no other server of this NAME is alive, so any
+        # segment of this NAME is a dead server's leftover.
+        for path in self.paths.leftover_segments():
+            _unlink(path)
+        data_nbytes = self.num_chunks * self.chunk_nbytes
+        st = os.statvfs(SEGMENT_DIR)
+        if data_nbytes > st.f_bavail * st.f_frsize:
+            raise ValueError(f"capacity {data_nbytes} bytes exceeds the free space in {SEGMENT_DIR} "
+                             f"({st.f_bavail * st.f_frsize} bytes); lower capacity")
+        data_path = self.paths.segment(self.epoch, "data")
+        gen_path = self.paths.segment(self.epoch, "gen")
+        fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, data_nbytes)
+            if self.prefault:
+                # Reserve the memory now: a tmpfs page that cannot be
+                # allocated later would kill a client with SIGBUS mid-copy.
+                os.posix_fallocate(fd, 0, data_nbytes)
+        except OSError:
+            os.close(fd)
+            _unlink(data_path)
+            raise
+        os.close(fd)
+        gen_nbytes = self.num_chunks * 8
+        fd = os.open(gen_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, gen_nbytes)
+            os.posix_fallocate(fd, 0, gen_nbytes)
+            self._gen_mm = mmap.mmap(fd, gen_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.gen = np.frombuffer(self._gen_mm, dtype=np.uint64)
+        self.data_path = data_path
+        self.gen_path = gen_path
+
+    def cleanup(self) -> None:
+        _unlink(self.paths.socket)
+        for path in (getattr(self, "data_path", None), getattr(self, "gen_path", None)):
+            if path:
+                _unlink(path)
+        # The PID lock stays held until the process is gone (the kernel drops
+        # it at exit), so "no server running" also means "no server process".
+
+    def serve(self, ready_fd: int = -1) -> int:
+        if not self.acquire_pid_lock():
+            _report(ready_fd, "already running")
+            return EXIT_ALREADY_RUNNING
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # A client that timed out and went away must not make the server
+        # block or queue replies for it forever.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        try:
+            self.create_segments()
+            _unlink(self.paths.socket)
+            sock.bind(self.paths.endpoint)
+            os.chmod(self.paths.socket, 0o600)
+        except Exception as exc:
+            _report(ready_fd, f"error: {exc}")
+            self.cleanup()
+            sock.close(0)
+            ctx.term()
+            return 1
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        _report(ready_fd, "ok")
+        try:
+            self._loop(sock)
+        finally:
+            self.cleanup()
+            sock.close(0)
+            ctx.term()
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+    def _loop(self, sock) -> None:
+        last_request = last_sweep = time.monotonic()
+        handlers = {
+            Op.HELLO: self._op_hello, Op.CONTAINS: self._op_contains, Op.PREFIX: self._op_prefix,
+            Op.GET: self._op_get, Op.ALLOC: self._op_alloc, Op.COMMIT: self._op_commit,
+            Op.ABORT: self._op_abort, Op.DELETE: self._op_delete, Op.STATS: self._op_stats,
+            Op.CLEAR: self._op_clear, Op.SHUTDOWN: self._op_shutdown, Op.KEYS: self._op_keys,
+        }
+        while not self.stopping:
+            try:
+                ready = sock.poll(int(SWEEP_INTERVAL_S * 1000))
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                raise
+            if ready:
+                while not self.stopping:
+                    try:
+                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(sock, handlers, msg)
+                last_request = time.monotonic()
+            now = time.monotonic()
+            if now - last_sweep >= SWEEP_INTERVAL_S:
+                self._sweep(now)
+                last_sweep = now
+            if (self.idle_timeout_s is not None and now - last_request > self.idle_timeout_s
+                    and not self.leases):
+                break
+
+    def _handle(self, sock, handlers, msg: list) -> None:
+        if len(msg) < 2 or len(msg[1]) != REQUEST.size:
+            return
+        ident = msg[0].bytes
+        op, flags, key_len, rid, epoch, arg = REQUEST.unpack(msg[1].buffer)
+        if epoch != self.epoch and op not in EPOCH_FREE_OPS:
+            sock.send_multipart([ident, REPLY.pack(Status.STALE, rid, self.epoch)])
+            return
+        handler = handlers.get(op)
+        try:
+            if handler is None:
+                raise ValueError(f"unknown op {op}")
+            # Zero-copy views of the frames: a batch of 8k keys is 256 KiB.
+            status, frames = handler(flags, key_len, arg, [frame.buffer for frame in msg[2:]])
+        except Exception as exc:  # a bad request must not take the server down
+            status, frames = Status.ERROR, [f"{type(exc).__name__}: {exc}".encode()]
+        sock.send_multipart([ident, REPLY.pack(status, rid, self.epoch), *frames])
+
+    # -- chunk bookkeeping
+
+    def _free_runs(self, runs: list[tuple[int, int]] | bytes) -> None:
+        if isinstance(runs, bytes):
+            flat = array.array("i", runs)
+            runs = list(zip(flat[0::2], flat[1::2]))
+        gen = self.gen
+        for start, count in runs:
+            # Bump before the chunks can be handed out again, so a reader
+            # that copied from them sees the change when it re-checks.
+            gen[start:start + count] += 1
+            self.free_chunks += count
+            if self.free:
+                s, c = self.free[-1]
+                if s + c == start:
+                    self.free[-1] = (s, c + count)
+                    continue
+            self.free.append((start, count))
+
+    def _evict_oldest(self) -> None:
+        key, entry = self.index.popitem(last=False)
+        self._drop(entry)
+        self.counters["evictions"] += 1
+
+    def _drop(self, entry: Entry) -> None:
+        self.nbytes -= entry.size
+        if entry.nchunks:
+            self._free_runs(entry.runs)
+
+    def _allocate(self, nchunks: int) -> list[tuple[int, int]] | None:
+        if nchunks > self.num_chunks - self.leased_chunks:
+            return None
+        while self.free_chunks < nchunks and self.index:
+            self._evict_oldest()
+        if self.free_chunks < nchunks:
+            return None
+        runs: list[tuple[int, int]] = []
+        need = nchunks
+        free = self.free
+        while need:
+            start, count = free[0]
+            if count <= need:
+                free.popleft()
+                take = count
+            else:
+                free[0] = (start + need, count - need)
+                take = need
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + take)
+            else:
+                runs.append((start, take))
+            need -= take
+        self.free_chunks -= nchunks
+        return runs
+
+    def _release_lease(self, lease: Lease) -> None:
+        for _key, entry, runs in lease.items:
+            if entry.nchunks:
+                self.leased_chunks -= entry.nchunks
+                self._free_runs(runs)
+
+    def _sweep(self, now: float) -> None:
+        for lease_id, lease in list(self.leases.items()):
+            if not pid_alive(lease.pid) or now - lease.created > self.lease_timeout_s:
+                del self.leases[lease_id]
+                self._release_lease(lease)
+                self.counters["leases_reclaimed"] += 1
+
+    # -- ops
+
+    def _info(self) -> dict:
+        return {
+            "protocol": PROTOCOL_VERSION, "name": self.name, "epoch": self.epoch, "pid": os.getpid(),
+            "chunk_nbytes": self.chunk_nbytes, "num_chunks": self.num_chunks,
+            "data_path": self.data_path, "gen_path": self.gen_path,
+        }
+
+    def _op_hello(self, flags, key_len, arg, frames):
+        return Status.OK, [json.dumps(self._info()).encode()]
+
+    def _op_stats(self, flags, key_len, arg, frames):
+        info = self._info()
+        info.update({
+            "num_blocks": len(self.index), "nbytes": self.nbytes,
+            "capacity_nbytes": self.num_chunks * self.chunk_nbytes,
+            "free_chunks": self.free_chunks, "leased_chunks": self.leased_chunks,
+            "used_chunks": self.num_chunks - self.free_chunks - self.leased_chunks,
+            "num_leases": len(self.leases), "uptime_s": time.time() - self.started,
+            "idle_timeout_s": self.idle_timeout_s, "lease_timeout_s": self.lease_timeout_s,
+        })
+        info.update(self.counters)
+        return Status.OK, [json.dumps(info).encode()]
+
+    def _op_contains(self, flags, key_len, arg, frames):
+        keys, _ = unpack_keys(key_len, frames)
+        return Status.OK, [bytes(map(self.index.__contains__, keys))]
+
+    def _op_prefix(self, flags, key_len, arg, frames):
+        keys, _ = unpack_keys(key_len, frames)
+        present = bytes(map(self.index.__contains__, keys))
+        n = present.find(b"\x00")
+        return Status.OK, [struct.pack("<q", len(keys) if n < 0 else n)]
+
+    def _op_get(self, flags, key_len, arg, frames):
+        keys, _ = unpack_keys(key_len, frames)
+        index = self.index
+        touch = not flags & Flag.NO_TOUCH
+        sizes = array.array("q")
+        gens = array.array("Q")
+        firsts = array.array("i")
+        nruns = array.array("I")
+        runs = []
+        hits = 0
+        for key in keys:
+            entry = index.get(key)
+            if entry is None:
+                sizes.append(-1)
+                gens.append(0)
+                firsts.append(-1)
+                nruns.append(0)
+                continue
+            if touch:
+                index.move_to_end(key)
+            hits += 1
+            sizes.append(entry.size)
+            gens.append(entry.gen)
+            firsts.append(entry.first)
+            nruns.append(entry.nruns)
+            runs.append(entry.runs)
+        if touch:
+            # arg carries the reads the client found torn or mis-sized since
+            # its last get: they were counted as hits here but were misses.
+            late = max(0, min(arg, self.counters["hits"] + hits))
+            self.counters["gets"] += len(keys)
+            self.counters["hits"] += hits - late
+            self.counters["misses"] += len(keys) - hits + late
+        return Status.OK, [sizes.tobytes(), gens.tobytes(), firsts.tobytes(), nruns.tobytes(), b"".join(runs)]
+
+    def _op_alloc(self, flags, key_len, arg, frames):
+        keys, used = unpack_keys(key_len, frames)
+        sizes = array.array("q")
+        sizes.frombytes(frames[used])
+        if len(sizes) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        overwrite = bool(flags & Flag.OVERWRITE)
+        lease = Lease(pid=arg, overwrite=overwrite)
+        chunk = self.chunk_nbytes
+        status = bytearray(len(keys))
+        nruns = array.array("I")
+        run_frames = []
+        index = self.index
+        for i, (key, size) in enumerate(zip(keys, sizes)):
+            if not overwrite and key in index:
+                index.move_to_end(key)
+                status[i] = Alloc.PRESENT
+                nruns.append(0)
+                continue
+            nchunks = -(-size // chunk) if size > 0 else 0
+            runs = self._allocate(nchunks) if size >= 0 else None
+            if runs is None:
+                status[i] = Alloc.FAILED
+                nruns.append(0)
+                self.counters["put_failures"] += 1
+                continue
+            self.leased_chunks += nchunks
+            flat = array.array("i", [x for run in runs for x in run]).tobytes()
+            first = runs[0][0] if runs else -1
+            gen = int(self.gen[first]) if runs else 0
+            lease.items.append((key, Entry(size, flat, len(runs), nchunks, first, gen), runs))
+            nruns.append(len(runs))
+            run_frames.append(flat)
+        self.counters["puts"] += len(keys)
+        lease_id = 0
+        if lease.items:
+            lease_id = self.next_lease
+            self.next_lease += 1
+            self.leases[lease_id] = lease
+        return Status.OK, [struct.pack("<q", lease_id), bytes(status), nruns.tobytes(), b"".join(run_frames)]
+
+    def _op_commit(self, flags, key_len, arg, frames):
+        lease = self.leases.pop(arg, None)
+        if lease is None:
+            return Status.LEASE_GONE, []
+        index = self.index
+        for key, entry, runs in lease.items:
+            self.leased_chunks -= entry.nchunks
+            old = index.get(key)
+            if old is not None:
+                if not lease.overwrite:
+                    # Another writer committed the same key first; its value
+                    # stands and ours was never visible.
+                    if entry.nchunks:
+                        self._free_runs(runs)
+                    index.move_to_end(key)
+                    continue
+                del index[key]
+                self._drop(old)
+            index[key] = entry
+            self.nbytes += entry.size
+        return Status.OK, []
+
+    def _op_abort(self, flags, key_len, arg, frames):
+        lease = self.leases.pop(arg, None)
+        if lease is not None:
+            self._release_lease(lease)
+        return Status.OK, []
+
+    def _op_delete(self, flags, key_len, arg, frames):
+        keys, _ = unpack_keys(key_len, frames)
+        for key in keys:
+            entry = self.index.pop(key, None)
+            if entry is not None:
+                self._drop(entry)
+        return Status.OK, []
+
+    def _op_clear(self, flags, key_len, arg, frames):
+        while self.index:
+            _key, entry = self.index.popitem(last=False)
+            self._drop(entry)
+        return Status.OK, []
+
+    def _op_keys(self, flags, key_len, arg, frames):
+        # Every committed key, least recently used first, as key_len (i64)
+        # and the key frames of pack_keys.  A snapshot: an index of a
+        # million 18-byte keys is an 18 MB reply, sent once per walk.
+        key_len, key_frames = pack_keys(list(self.index))
+        return Status.OK, [struct.pack("<q", key_len), *key_frames]
+
+    def _op_shutdown(self, flags, key_len, arg, frames):
+        self.stopping = True
+        return Status.OK, []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _report(fd: int, text: str) -> None:
+    if fd < 0:
+        if text != "ok":
+            print(text, file=sys.stderr)
+        return
+    try:
+        os.write(fd, text.encode() + b"\n")
+    except BrokenPipeError:
+        pass  # the starter stopped waiting (its operation's timeout); serve anyway, a later call finds us
+    finally:
+        os.close(fd)
+
+
+def _serve_detached(server: IndexServer) -> int:
+    """Fork the real server into its own session and exit once it is ready,
+    so the starter neither waits on it nor has to reap it."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write_fd)
+        chunks = []
+        while True:
+            data = os.read(read_fd, 4096)
+            if not data:
+                break
+            chunks.append(data)
+        os.close(read_fd)
+        text = b"".join(chunks).decode(errors="replace").strip()
+        if text == "ok":
+            return 0
+        if text == "already running":
+            return EXIT_ALREADY_RUNNING
+        print(text or "the shm server exited before it was ready", file=sys.stderr)
+        return 1
+    os.close(read_fd)
+    os.setsid()
+    server.paths.ensure_rundir()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    log = os.open(server.paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(devnull)
+    os.close(log)
+    try:
+        code = server.serve(ready_fd=write_fd)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m store_backends.shm_server serve|stop|status NAME``."""
+    from ..urls import parse_seconds, parse_size
+    from .admin import server_status, stop_server
+
+    parser = argparse.ArgumentParser(prog="python -m store_backends.shm_server",
+                                     description="The index server of an shm:// store.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the server of NAME (in the foreground unless --detach)")
+    serve.add_argument("name")
+    serve.add_argument("--capacity", default="1GiB")
+    serve.add_argument("--chunk", default=str(DEFAULT_CHUNK_NBYTES))
+    serve.add_argument("--idle-timeout", default=None, help="exit after this long without requests")
+    serve.add_argument("--lease-timeout", default=str(DEFAULT_LEASE_TIMEOUT_S))
+    serve.add_argument("--no-prefault", action="store_true", help="do not reserve the memory up front")
+    serve.add_argument("--runtime-dir", default=None)
+    serve.add_argument("--detach", action="store_true", help="run in the background; exit once ready")
+    for command in ("stop", "status"):
+        p = sub.add_parser(command, help=f"{command} the server of NAME")
+        p.add_argument("name")
+        p.add_argument("--runtime-dir", default=None)
+    args = parser.parse_args(argv)
+    if not valid_name(args.name):
+        parser.error(f"NAME {args.name!r} may hold only letters, digits, '-', '_' and '.'")
+    try:
+        if args.command == "serve":
+            # Before detaching, so that the starter sees the refusal.
+            Paths(args.name, args.runtime_dir).ensure_rundir()
+        else:
+            Paths(args.name, args.runtime_dir).check_rundir()
+    except UnsafeRuntimeDir as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.command == "stop":
+        stopped = stop_server(args.name, args.runtime_dir)
+        print("stopped" if stopped else f"no shm server is running for {args.name!r}")
+        return 0 if stopped else 1
+    if args.command == "status":
+        status = server_status(args.name, args.runtime_dir)
+        if not status.answering:
+            print(f"no shm server is running for {args.name!r}")
+            return 1
+        print(json.dumps(status.to_dict(), indent=2, sort_keys=True))
+        return 0
+    try:
+        server = IndexServer(
+            args.name,
+            capacity_nbytes=parse_size(args.capacity),
+            chunk_nbytes=parse_size(args.chunk, name="chunk"),
+            idle_timeout_s=parse_seconds(args.idle_timeout, name="idle_timeout") if args.idle_timeout else None,
+            lease_timeout_s=parse_seconds(args.lease_timeout, name="lease_timeout"),
+            prefault=not args.no_prefault,
+            rundir=args.runtime_dir,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.detach:
+        return _serve_detached(server)
+    return server.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
