@@ -587,3 +587,74 @@ def test_cluster_calls_stay_within_their_timeout_while_primaries_are_stopped():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         cluster.cleanup()
+
+
+# -- the redis-py this store leans on ----------------------------------------------
+
+def test_a_redis_py_whose_connections_lost_their_socket_attribute_is_an_open_error_naming_it(
+        redis_server, monkeypatch):
+    # As if a redis-py release renamed Connection._sock, which the store reads.
+    made = redis.Connection.__init__
+
+    def without_sock(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        del self._sock
+
+    monkeypatch.setattr(redis.Connection, "__init__", without_sock)
+    with pytest.raises(StoreOpenError) as info:
+        RedisStore.from_url(redis_server.url)
+    message = str(info.value)
+    assert f"redis-py {redis.__version__}" in message
+    assert "Connection has no _sock" in message
+    assert "pip install 'redis>=" in message
+
+
+def test_a_redis_py_older_than_supported_is_an_open_error_naming_its_version(redis_server, monkeypatch):
+    monkeypatch.setattr(redis, "__version__", "4.6.0")
+    with pytest.raises(StoreOpenError, match=r"redis-py 4\.6\.0: it is older than 5\.0"):
+        RedisStore.from_url(redis_server.url)
+
+
+def test_a_redis_py_whose_cluster_lost_its_slot_map_is_an_open_error_naming_it(redis_cluster, monkeypatch):
+    # As if a redis-py release renamed NodesManager.slots_cache.
+    initialize = redis.cluster.NodesManager.initialize
+
+    def renamed(self, *args, **kwargs):
+        result = initialize(self, *args, **kwargs)
+        self.slot_table = self.__dict__.pop("slots_cache")
+        return result
+
+    monkeypatch.setattr(redis.cluster.NodesManager, "initialize", renamed)
+    with pytest.raises(StoreOpenError) as info:
+        RedisClusterStore.from_url(redis_cluster.url)
+    message = str(info.value)
+    assert f"redis-py {redis.__version__}" in message
+    assert "NodesManager has no slots_cache" in message
+
+
+def test_the_installed_redis_py_passes_every_check(redis_server, redis_cluster):
+    from store_backends.redis import internals
+
+    assert internals.library_problems() == []
+    with RedisStore.from_url(redis_server.url) as single:
+        assert internals.pool_problems(single._pool) == []
+    with RedisClusterStore.from_url(redis_cluster.url) as cluster:
+        assert internals.cluster_problems(cluster._cluster) == []
+
+
+# -- slot hashing --------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", [1, 15, 16, 33])
+def test_batch_slot_hashing_agrees_with_redis_py_key_by_key(width):
+    from redis.crc import key_slot
+
+    from store_backends.redis.slots import slots_of
+
+    rng = np.random.default_rng(width)
+    keys = [bytes(row) for row in rng.integers(0, 256, size=(500, width), dtype=np.uint8)]
+    keys[7] = b"{" + keys[7][1:]
+    if width > 2:
+        keys[9] = b"{" + keys[9][1:-1] + b"}"        # a hash tag: only what is inside counts
+        keys[11] = b"}" + keys[11][1:-1] + b"{"      # braces the wrong way round: no tag
+    assert slots_of(b"ucm:", keys).tolist() == [key_slot(b"ucm:" + k) for k in keys]
+    assert slots_of(b"ucm:", keys[:5]).tolist() == [key_slot(b"ucm:" + k) for k in keys[:5]]
