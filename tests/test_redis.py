@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from servers import RedisCluster, RedisServer, free_port
-from store_backends import registry
+from store_backends import OpenMode, registry
 from store_backends.base import StoreOpenError, StoreUnavailableError
 from store_backends.redis import RedisClusterStore, RedisStore, _SlotMap
 
@@ -287,6 +287,60 @@ def test_registry_opens_every_redis_scheme(redis_server, redis_cluster, tmp_path
         assert redis.Redis(port=server.port, db=3).get(b"u:via-socket") == b"v"
     finally:
         server.cleanup()
+
+
+def test_inspect_mode_opens_a_redis_that_answers_and_works_on_what_is_there(redis_server, unique_name):
+    url = f"{redis_server.url}?namespace={unique_name}"
+    with registry.open_store(url) as serving:
+        assert serving.put([b"k"], [b"v"]) == [True]
+    with registry.open_store(url, mode=OpenMode.INSPECT) as inspecting:
+        assert type(inspecting) is RedisStore
+        assert inspecting.get([b"k"]) == [b"v"]
+        assert [key for batch in inspecting.iter_keys() for key in batch] == [b"k"]
+        inspecting.delete([b"k"])
+    assert raw_client(redis_server).exists(f"{unique_name}:k") == 0
+
+
+def test_inspect_mode_opens_a_running_cluster(redis_cluster, unique_name):
+    url = f"{redis_cluster.url}?namespace={unique_name}"
+    with registry.open_store(url) as serving:
+        assert serving.put([b"a", b"b"], [b"1", b"2"]) == [True, True]
+    with registry.open_store(url, mode=OpenMode.INSPECT) as inspecting:
+        assert type(inspecting) is RedisClusterStore
+        assert inspecting.get([b"b", b"a"]) == [b"2", b"1"]
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:{port}/0?timeout=0.5",
+                                 "redis-cluster://127.0.0.1:{port}?timeout=0.5"])
+def test_inspect_mode_refuses_an_unreachable_redis_with_an_open_error(url):
+    url = url.format(port=free_port())
+    with pytest.raises(StoreOpenError, match="unreachable"):
+        registry.open_store(url, mode=OpenMode.INSPECT)
+    assert registry.which_store(url) is None
+
+
+def test_which_store_names_a_running_redis_and_a_running_cluster(redis_server, redis_cluster):
+    assert registry.which_store(redis_server.url) == "redis"
+    assert registry.which_store(redis_cluster.url) == "redis-cluster"
+
+
+def test_stats_say_the_server_figures_count_every_namespace(store, redis_server, unique_name):
+    raw_client(redis_server).set(f"{unique_name}-other:k", b"not the store's")
+    store.put([b"k"], [b"the store's"])
+    stats = store.stats()
+    assert stats.kind == "redis"
+    assert not stats.counts_this_store
+    assert "all namespaces" in stats.counts_scope
+    assert stats.num_blocks >= 2
+    assert not [name for name in stats.extra if name.endswith("_means")]
+
+
+def test_cluster_stats_say_they_sum_every_primary(redis_cluster, unique_name):
+    with RedisClusterStore.from_url(f"{redis_cluster.url}?namespace={unique_name}") as s:
+        stats = s.stats()
+    assert stats.kind == "redis-cluster"
+    assert not stats.counts_this_store
+    assert "every primary" in stats.counts_scope and "all namespaces" in stats.counts_scope
 
 
 def _make_tls_files(directory: str) -> dict[str, str]:

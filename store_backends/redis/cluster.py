@@ -22,7 +22,7 @@ import redis as redis_py
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..base import StoreOpenError, StoreStats, StoreUnavailableError
+from ..base import OpenMode, StoreOpenError, StoreStats, StoreUnavailableError
 from ..urls import mask_password, parse_bool, query_options, split_url
 from . import internals, resp
 from .errors import CLUSTER_OPEN_ERRORS, cluster_open_message
@@ -60,6 +60,9 @@ class RedisClusterStore(RedisStoreBase):
     background thread, never inside a call: a reload asks nodes one after
     the other and can meet a stopped one first."""
 
+    KIND = "redis-cluster"
+    COUNTS_SCOPE = "every key and the used_memory of every primary, all namespaces and overhead included"
+
     def __init__(self, url: str, cluster: redis_py.RedisCluster, *, namespace: str = DEFAULT_NAMESPACE,
                  ttl_s: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(url, namespace, ttl_s, timeout_s)
@@ -71,7 +74,10 @@ class RedisClusterStore(RedisStoreBase):
         self._map = self._load_slots()
 
     @classmethod
-    def from_url(cls, url: str) -> "RedisClusterStore":
+    def from_url(cls, url: str, mode: OpenMode | str = OpenMode.SERVE) -> "RedisClusterStore":
+        """Open the cluster once a seed node has given its slot map.  Both
+        modes open exactly that (see ``RedisStore.from_url``)."""
+        OpenMode(mode)
         masked = mask_password(url)
         parts = split_url(url)
         if parts.scheme.lower() != "redis-cluster":

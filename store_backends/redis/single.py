@@ -17,7 +17,7 @@ import redis as redis_py
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..base import StoreOpenError, StoreStats
+from ..base import OpenMode, StoreOpenError, StoreStats
 from ..urls import mask_password, query_options, split_url
 from . import internals, resp
 from .errors import ping
@@ -34,6 +34,9 @@ _SEGMENT = 256
 class RedisStore(RedisStoreBase):
     """One Redis (or Valkey) server, over TCP, TLS or a Unix socket."""
 
+    KIND = "redis"
+    COUNTS_SCOPE = "every key of the database and the server's used_memory, all namespaces and overhead included"
+
     def __init__(self, url: str, pool: redis_py.ConnectionPool, *, namespace: str = DEFAULT_NAMESPACE,
                  ttl_s: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(url, namespace, ttl_s, timeout_s)
@@ -41,7 +44,12 @@ class RedisStore(RedisStoreBase):
         self._client = redis_py.Redis(connection_pool=pool)
 
     @classmethod
-    def from_url(cls, url: str) -> "RedisStore":
+    def from_url(cls, url: str, mode: OpenMode | str = OpenMode.SERVE) -> "RedisStore":
+        """Open the server a URL names once it answers a ``PING`` with the
+        URL's credentials and database.  Both modes open exactly that:
+        Redis evicts by itself, and no server is ever started from here,
+        so ``inspect`` too opens only a Redis that is there."""
+        OpenMode(mode)
         masked = mask_password(url)
         parts = split_url(url)
         scheme = parts.scheme.lower()

@@ -40,6 +40,12 @@ class RedisStoreBase(KVStore):
     """What single Redis and Redis Cluster share: key naming, the batched
     wire exchange, counters, error translation."""
 
+    #: ``StoreStats.kind``.
+    KIND: str = ""
+    #: ``StoreStats.counts_scope``: what ``num_blocks`` and ``nbytes`` count
+    #: (the server's figures: counting one namespace would need a full SCAN).
+    COUNTS_SCOPE: str | None = None
+
     def __init__(self, url: str, namespace: str, ttl_s: float | None, timeout_s: float) -> None:
         self.url = mask_password(url)
         self._timeout_s = timeout_s
@@ -462,6 +468,8 @@ class RedisStoreBase(KVStore):
             counts = dict(self._counts)
         return StoreStats(
             url=self.url,
+            kind=self.KIND,
+            counts_scope=self.COUNTS_SCOPE,
             num_blocks=num_keys,
             nbytes=used,
             capacity_nbytes=capacity,
@@ -474,8 +482,6 @@ class RedisStoreBase(KVStore):
             extra={
                 "namespace": self.namespace,
                 "ttl_s": self._ttl_ms / 1000 if self._ttl_ms else None,
-                "num_blocks_means": "keys in the whole database (all namespaces)",
-                "nbytes_means": "used_memory of the server(s), overhead included",
                 "maxmemory_policy": ",".join(sorted(policies)),
                 "num_servers": len(clients),
             },
