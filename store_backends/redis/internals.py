@@ -17,11 +17,11 @@ document as its API:
 * a cluster's ``nodes_manager.slots_cache`` (slot -> nodes, primary first)
   and ``nodes_manager.initialize()`` (reload it).
 
-``check_library``, ``check_pool`` and ``check_cluster`` run when a store opens, as ``patches/``
-checks vLLM before patching it: a redis-py older than the oldest supported,
-or one that no longer has any of the above, is then a ``StoreOpenError``
-naming its version and everything missing, never an ``AttributeError`` in
-the middle of a call.  A redis-py newer than the last one tested is used
+``check_library``, ``check_pool`` and ``check_cluster`` run when a store
+opens, as ``patches/`` checks vLLM before patching it: a redis-py older
+than the oldest supported, or one that no longer has any of the above, is
+then a ``StoreOpenError`` naming its version and everything missing, never
+an ``AttributeError`` in the middle of a call.  A redis-py newer than the last one tested is used
 when everything above is still there: what matters is their shape, and
 that is what is checked.
 
