@@ -190,6 +190,18 @@ def test_stats_on_a_redis_cluster(redis_cluster):
     assert (row["digest"], row["num_blocks"], row["nbytes"]) == (NS_A.digest.hex(), 40, sum(map(len, values)))
 
 
+def test_stats_of_a_redis_store_say_what_the_server_figures_count(redis_server):
+    url = redis_server.url + f"?namespace=cli{uuid.uuid4().hex[:10]}"
+    keys, values = blocks(NS_A, 2, 500, seed=4)
+    put(url, keys, values)
+    result = ucm("store", "stats", url)
+    assert result.returncode == 0, result.stderr
+    reported = next(line for line in result.stdout.splitlines() if "the store reports" in line)
+    assert "all namespaces" in reported
+    store = json.loads(ucm("store", "stats", url, "--json").stdout)["store"]
+    assert store["kind"] == "redis" and "all namespaces" in store["counts_scope"]
+
+
 def test_stats_on_an_empty_store(tmp_path):
     open_store(f"disk://{tmp_path}/empty").close()
     result = ucm("store", "stats", f"disk://{tmp_path}/empty")

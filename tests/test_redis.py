@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from servers import RedisCluster, RedisServer, free_port
-from store_backends import registry
+from store_backends import OpenMode, registry
 from store_backends.base import StoreOpenError, StoreUnavailableError
 from store_backends.redis import RedisClusterStore, RedisStore, _SlotMap
 
@@ -287,6 +287,60 @@ def test_registry_opens_every_redis_scheme(redis_server, redis_cluster, tmp_path
         assert redis.Redis(port=server.port, db=3).get(b"u:via-socket") == b"v"
     finally:
         server.cleanup()
+
+
+def test_inspect_mode_opens_a_redis_that_answers_and_works_on_what_is_there(redis_server, unique_name):
+    url = f"{redis_server.url}?namespace={unique_name}"
+    with registry.open_store(url) as serving:
+        assert serving.put([b"k"], [b"v"]) == [True]
+    with registry.open_store(url, mode=OpenMode.INSPECT) as inspecting:
+        assert type(inspecting) is RedisStore
+        assert inspecting.get([b"k"]) == [b"v"]
+        assert [key for batch in inspecting.iter_keys() for key in batch] == [b"k"]
+        inspecting.delete([b"k"])
+    assert raw_client(redis_server).exists(f"{unique_name}:k") == 0
+
+
+def test_inspect_mode_opens_a_running_cluster(redis_cluster, unique_name):
+    url = f"{redis_cluster.url}?namespace={unique_name}"
+    with registry.open_store(url) as serving:
+        assert serving.put([b"a", b"b"], [b"1", b"2"]) == [True, True]
+    with registry.open_store(url, mode=OpenMode.INSPECT) as inspecting:
+        assert type(inspecting) is RedisClusterStore
+        assert inspecting.get([b"b", b"a"]) == [b"2", b"1"]
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:{port}/0?timeout=0.5",
+                                 "redis-cluster://127.0.0.1:{port}?timeout=0.5"])
+def test_inspect_mode_refuses_an_unreachable_redis_with_an_open_error(url):
+    url = url.format(port=free_port())
+    with pytest.raises(StoreOpenError, match="unreachable"):
+        registry.open_store(url, mode=OpenMode.INSPECT)
+    assert registry.which_store(url) is None
+
+
+def test_which_store_names_a_running_redis_and_a_running_cluster(redis_server, redis_cluster):
+    assert registry.which_store(redis_server.url) == "redis"
+    assert registry.which_store(redis_cluster.url) == "redis-cluster"
+
+
+def test_stats_say_the_server_figures_count_every_namespace(store, redis_server, unique_name):
+    raw_client(redis_server).set(f"{unique_name}-other:k", b"not the store's")
+    store.put([b"k"], [b"the store's"])
+    stats = store.stats()
+    assert stats.kind == "redis"
+    assert not stats.counts_this_store
+    assert "all namespaces" in stats.counts_scope
+    assert stats.num_blocks >= 2
+    assert not [name for name in stats.extra if name.endswith("_means")]
+
+
+def test_cluster_stats_say_they_sum_every_primary(redis_cluster, unique_name):
+    with RedisClusterStore.from_url(f"{redis_cluster.url}?namespace={unique_name}") as s:
+        stats = s.stats()
+    assert stats.kind == "redis-cluster"
+    assert not stats.counts_this_store
+    assert "every primary" in stats.counts_scope and "all namespaces" in stats.counts_scope
 
 
 def _make_tls_files(directory: str) -> dict[str, str]:
@@ -587,3 +641,74 @@ def test_cluster_calls_stay_within_their_timeout_while_primaries_are_stopped():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         cluster.cleanup()
+
+
+# -- the redis-py this store leans on ----------------------------------------------
+
+def test_a_redis_py_whose_connections_lost_their_socket_attribute_is_an_open_error_naming_it(
+        redis_server, monkeypatch):
+    # As if a redis-py release renamed Connection._sock, which the store reads.
+    made = redis.Connection.__init__
+
+    def without_sock(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        del self._sock
+
+    monkeypatch.setattr(redis.Connection, "__init__", without_sock)
+    with pytest.raises(StoreOpenError) as info:
+        RedisStore.from_url(redis_server.url)
+    message = str(info.value)
+    assert f"redis-py {redis.__version__}" in message
+    assert "Connection has no _sock" in message
+    assert "pip install 'redis>=" in message
+
+
+def test_a_redis_py_older_than_supported_is_an_open_error_naming_its_version(redis_server, monkeypatch):
+    monkeypatch.setattr(redis, "__version__", "4.6.0")
+    with pytest.raises(StoreOpenError, match=r"redis-py 4\.6\.0: it is older than 5\.0"):
+        RedisStore.from_url(redis_server.url)
+
+
+def test_a_redis_py_whose_cluster_lost_its_slot_map_is_an_open_error_naming_it(redis_cluster, monkeypatch):
+    # As if a redis-py release renamed NodesManager.slots_cache.
+    initialize = redis.cluster.NodesManager.initialize
+
+    def renamed(self, *args, **kwargs):
+        result = initialize(self, *args, **kwargs)
+        self.slot_table = self.__dict__.pop("slots_cache")
+        return result
+
+    monkeypatch.setattr(redis.cluster.NodesManager, "initialize", renamed)
+    with pytest.raises(StoreOpenError) as info:
+        RedisClusterStore.from_url(redis_cluster.url)
+    message = str(info.value)
+    assert f"redis-py {redis.__version__}" in message
+    assert "NodesManager has no slots_cache" in message
+
+
+def test_the_installed_redis_py_passes_every_check(redis_server, redis_cluster):
+    from store_backends.redis import internals
+
+    assert internals.library_problems() == []
+    with RedisStore.from_url(redis_server.url) as single:
+        assert internals.pool_problems(single._pool) == []
+    with RedisClusterStore.from_url(redis_cluster.url) as cluster:
+        assert internals.cluster_problems(cluster._cluster) == []
+
+
+# -- slot hashing --------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", [1, 15, 16, 33])
+def test_batch_slot_hashing_agrees_with_redis_py_key_by_key(width):
+    from redis.crc import key_slot
+
+    from store_backends.redis.slots import slots_of
+
+    rng = np.random.default_rng(width)
+    keys = [bytes(row) for row in rng.integers(0, 256, size=(500, width), dtype=np.uint8)]
+    keys[7] = b"{" + keys[7][1:]
+    if width > 2:
+        keys[9] = b"{" + keys[9][1:-1] + b"}"        # a hash tag: only what is inside counts
+        keys[11] = b"}" + keys[11][1:-1] + b"{"      # braces the wrong way round: no tag
+    assert slots_of(b"ucm:", keys).tolist() == [key_slot(b"ucm:" + k) for k in keys]
+    assert slots_of(b"ucm:", keys[:5]).tolist() == [key_slot(b"ucm:" + k) for k in keys[:5]]

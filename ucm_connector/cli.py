@@ -134,7 +134,7 @@ def _progress(args: argparse.Namespace, label: str, store: KVStore | None = None
         try:
             stats = store.stats()
             # Redis counts every key of the database, not the store's namespace.
-            if stats.num_blocks is not None and "num_blocks_means" not in stats.extra:
+            if stats.num_blocks is not None and stats.counts_this_store:
                 total = stats.num_blocks
         except StoreError:
             pass
@@ -337,8 +337,8 @@ def _print_stats(opened: Opened, found: Survey, rows: list[dict], stats, capacit
         line += f" of a capacity of {_nbytes(capacity)}{share}"
     else:
         line += ", no capacity set"
-    if "nbytes_means" in stats.extra:
-        line += f" ({stats.extra['nbytes_means']})"
+    if not stats.counts_this_store:
+        line += f" ({stats.counts_scope})"
     print(line)
     if stats.read_only:
         print(f"  read-only: {stats.read_only}")
