@@ -4,11 +4,16 @@ Knows nothing of vLLM or torch.  ``open_store(url)`` is the way in; see
 ``base.KVStore`` for the contract every backend keeps.  The admin API of
 ``shm://`` servers (``list_servers``, ``server_status``...; see
 ``store_backends.shm``) is re-exported here for operators, and imported on
-first use: opening a disk or Redis store never loads the shm code.
+first use: opening a disk or Redis store never loads the shm code.  What
+operators' tools share is exported too: ``url_scheme`` and
+``mask_password`` for the URLs they are given, and ``Progress``, the
+one-line progress report of ``ucm`` and ``ucm-bench``.
 """
 
 from .base import KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
-from .registry import ENTRY_POINT_GROUP, known_schemes, open_store, register_scheme, which_store
+from .progress import Progress
+from .registry import ENTRY_POINT_GROUP, known_schemes, open_store, register_scheme, url_scheme, which_store
+from .urls import mask_password
 
 _SHM_ADMIN = frozenset({"ServerStatus", "ShmServerNotRunning", "UnsafeRuntimeDir", "check_runtime_dir",
                         "list_servers", "server_running", "server_status", "stop_server", "valid_name"})
@@ -26,6 +31,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "KVStore",
     "OpenMode",
+    "Progress",
     "ServerStatus",
     "ShmServerNotRunning",
     "StoreError",
@@ -36,11 +42,13 @@ __all__ = [
     "check_runtime_dir",
     "known_schemes",
     "list_servers",
+    "mask_password",
     "open_store",
     "register_scheme",
     "server_running",
     "server_status",
     "stop_server",
+    "url_scheme",
     "valid_name",
     "which_store",
 ]
