@@ -687,3 +687,34 @@ def test_store_errors_from_iter_keys_are_store_errors(tmp_path):
     store.close()
     with pytest.raises(StoreError):
         list(store.iter_keys())
+
+
+# -- the command's package -------------------------------------------------------------------------
+
+def test_a_verify_verdict_is_typed_and_a_newer_block_carries_its_version():
+    from ucm_connector.cli import Verdict, check_value
+
+    keys, values = blocks(NS_A, 2, 256, seed=7)
+    assert check_value(keys[0], values[0]).verdict is Verdict.GOOD
+    bad = check_value(keys[1], damaged(values[1]))
+    assert bad.verdict is Verdict.BAD and bad.namespace_digest == NS_A.digest and "checksum" in bad.problem
+    newer = check_value(keys[0], newer_block(NS_A, keys[0]))
+    assert newer.verdict is Verdict.NEWER and newer.version == blockfmt.FORMAT_VERSION + 1
+
+
+def test_ucm_explain_is_a_top_level_command_once_its_module_exists(monkeypatch):
+    import importlib.machinery
+    import types
+
+    from ucm_connector.cli import build_parser, main
+
+    explain = types.ModuleType("ucm_connector.explain")
+    explain.__spec__ = importlib.machinery.ModuleSpec("ucm_connector.explain", None)
+    explain.SUMMARY = "Say why a prompt hits or misses. More about it."
+    explain.add_arguments = lambda parser: parser.add_argument("--prompt", required=True)
+    explain.run = lambda args: 7 if args.prompt == "hi" else 0
+    monkeypatch.setitem(sys.modules, "ucm_connector.explain", explain)
+
+    commands = next(a for a in build_parser()._actions if a.dest == "group").choices
+    assert commands["explain"].description == explain.SUMMARY
+    assert main(["explain", "--prompt", "hi"]) == 7
