@@ -79,7 +79,9 @@ engine's LoRA defaults are assumed). With them, the prompt is also looked up
 without them, and the report says when that would hit more.
 
 The store is opened read-only: nothing is evicted, no shm:// server is started, and
-asking does not count as a use. Its URL is shown with any password masked."""
+asking does not count as a use. Its URL is shown with any password masked. Its keys
+are listed once to find the manifests (a store that cannot list them cannot be
+explained); a namespace whose manifest is gone is not seen."""
 
 _EPILOG = """\
 examples:
