@@ -26,7 +26,8 @@ Steps (each may carry a "name"; results are keyed by it):
 
 * ``{"op": "generate", "name": N, "prompts": [P, ...], "max_tokens": 16}``:
   one ``LLM.generate`` call with all prompts (one batch), greedy,
-  ``ignore_eos``.  P is ``{"tokens": [...]}`` or ``{"from": STEP, "index": i,
+  ``ignore_eos``.  P is ``{"tokens": [...]}``, ``{"text": "..."}`` (vLLM
+  tokenises it as a completion prompt), or ``{"from": STEP, "index": i,
   "append": [...]}`` (that step's prompt i + its output i + ``append``: the
   next turn of a chat); either may add ``"cache_salt"`` and ``"lora": {"name":
   N, "id": I, "path": DIR}`` (a LoRA adapter; needs the spec's ``"lora"``).
@@ -39,6 +40,13 @@ Steps (each may carry a "name"; results are keyed by it):
 * ``{"op": "damage", "tokens": [...], "index": i}``: flip a payload byte of
   block ``i`` of those tokens in this engine's store, under this engine's
   namespace (its checksum then fails); the other blocks stay as they are.
+* ``{"op": "evict", "tokens": [...], "index": i}``: delete block ``i`` of
+  those tokens from this engine's store (every TP rank's shard), as an
+  eviction would; the other blocks stay.  Instead of ``tokens``, ``"from":
+  STEP, "prompt": j`` names prompt j of an earlier generate step.
+* ``{"op": "explain", "args": [...]}``: run ``ucm explain ARGS`` (in this
+  process, through ``tests/explain_helper.py``); the result holds ``rc``,
+  ``stdout``, ``stderr``.
 * ``{"op": "kill", "pid": PID}``: SIGKILL a process the test started (a
   Redis server taken down mid-run).
 * ``{"op": "sleep", "seconds": S}``.
@@ -181,6 +189,25 @@ def damage_block(llm, url: str, tokens: list[int], index: int) -> str:
     return key.hex()
 
 
+def evict_block(llm, url: str, tokens: list[int], index: int) -> str:
+    """Delete every rank's shard of one stored block; returns its key (hex)."""
+    from store_backends import open_store
+    from ucm_connector.hashing import BlockHasher, keys_for_rank
+    from ucm_connector.layout import namespace_for
+
+    namespace = namespace_for(llm.llm_engine.vllm_config)
+    key = BlockHasher(namespace).request().update(tokens)[index]
+    store = open_store(url)
+    try:
+        shards = [keys_for_rank([key], rank)[0] for rank in range(namespace.tp_size)]
+        if not all(store.contains(shards)):
+            raise RuntimeError(f"block {index} of the prompt is not in {url}")
+        store.delete(shards)
+    finally:
+        store.close()
+    return key.hex()
+
+
 def build_llm(spec: dict):
     from vllm import LLM
 
@@ -247,9 +274,14 @@ def run_generate(llm, step: dict, results: dict, counters: dict) -> dict:
 
     prompts, token_lists, loras = [], [], []
     for p in step["prompts"]:
-        tokens = _prompt_tokens(p, results)
-        token_lists.append(tokens)
-        prompt = {"prompt_token_ids": tokens}
+        if "text" in p:
+            # Tokenised by vLLM itself; the result reports the token ids.
+            token_lists.append(None)
+            prompt = {"prompt": p["text"]}
+        else:
+            tokens = _prompt_tokens(p, results)
+            token_lists.append(tokens)
+            prompt = {"prompt_token_ids": tokens}
         if p.get("cache_salt") is not None:
             prompt["cache_salt"] = p["cache_salt"]
         prompts.append(prompt)
@@ -269,7 +301,8 @@ def run_generate(llm, step: dict, results: dict, counters: dict) -> dict:
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "cached": [o.num_cached_tokens for o in outs],
         "finish": [o.outputs[0].finish_reason for o in outs],
-        "prompts": token_lists,
+        "prompts": [tokens if tokens is not None else list(o.prompt_token_ids)
+                    for tokens, o in zip(token_lists, outs)],
         "seconds": seconds,
     }
 
@@ -363,6 +396,16 @@ def main(spec_path: str, out_path: str) -> int:
             elif op == "damage":
                 res = {"key": damage_block(llms[i], specs[i]["store"], [int(t) for t in step["tokens"]],
                                            int(step["index"]))}
+            elif op == "evict":
+                tokens = (step["tokens"] if "tokens" in step
+                          else result["steps"][step["from"]]["prompts"][int(step.get("prompt", 0))])
+                res = {"key": evict_block(llms[i], specs[i]["store"], [int(t) for t in tokens],
+                                          int(step["index"]))}
+            elif op == "explain":
+                from explain_helper import explain
+
+                done = explain(*[str(a) for a in step["args"]])
+                res = {"rc": done.rc, "stdout": done.stdout, "stderr": done.stderr}
             elif op == "kill":
                 os.kill(int(step["pid"]), signal.SIGKILL)
                 res = {}

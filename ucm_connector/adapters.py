@@ -47,6 +47,30 @@ logger = logging.getLogger("vllm.ucm_connector.adapters")
 Signature = tuple
 
 
+def lora_settings(*, dtype: str, target_modules=None, fully_sharded: bool = False,
+                  moe_mixed_format: bool = False, moe_shared: bool = False, tower: bool = False) -> str:
+    """An engine's LoRA settings that change what an adapter computes, as the
+    canonical string that enters every adapter's identity (``layout`` reads
+    them from vLLM's config; ``ucm explain`` takes vLLM's defaults)."""
+    import json
+
+    settings = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "target_modules": sorted(target_modules) if target_modules else None,
+        "fully_sharded": bool(fully_sharded),
+        "moe_mixed_format": bool(moe_mixed_format),
+        "moe_shared": bool(moe_shared),
+        "tower": bool(tower),
+    }
+    return json.dumps(settings, sort_keys=True, separators=(",", ":"))
+
+
+def adapter_identity(fingerprint: str, engine_settings: str = "") -> str:
+    """The string that stands for an adapter in block keys: the fingerprint
+    of its files and the engine's LoRA settings."""
+    return f"lora:{fingerprint}/{engine_settings}" if engine_settings else f"lora:{fingerprint}"
+
+
 def adapter_signature(adapter_path: str) -> Signature:
     """What ``stat`` says of the files vLLM would read from ``adapter_path``:
     equal signatures mean the same files, unchanged (``OSError`` if the
@@ -81,7 +105,7 @@ class AdapterIdentities:
     MAX_FINGERPRINTS = 1024
 
     def __init__(self, engine_settings: str = "") -> None:
-        self._suffix = f"/{engine_settings}" if engine_settings else ""
+        self._engine_settings = engine_settings
         # signature -> fingerprint, for any path: bounded, as each rewrite of
         # an adapter's files adds a signature.
         self._fingerprints: collections.OrderedDict[Signature, str] = collections.OrderedDict()
@@ -140,7 +164,7 @@ class AdapterIdentities:
         return fingerprint
 
     def _format(self, fingerprint: str) -> str:
-        return f"lora:{fingerprint}{self._suffix}"
+        return adapter_identity(fingerprint, self._engine_settings)
 
     def _log_once(self, what: tuple[str, object], message: str, *args) -> None:
         if what not in self._logged:

@@ -130,7 +130,7 @@ def lora_engine_settings(vllm_config) -> str:
     are zero-padded, which adds exact zeros) and classification-head sizes,
     which act after the KV.
     """
-    import json
+    from .adapters import lora_settings
 
     lora_config = getattr(vllm_config, "lora_config", None)
     if lora_config is None:
@@ -138,14 +138,11 @@ def lora_engine_settings(vllm_config) -> str:
     dtype = lora_config.lora_dtype
     if dtype in (None, "auto"):
         dtype = vllm_config.model_config.dtype
-    dtype = str(dtype).removeprefix("torch.")
-    target_modules = getattr(lora_config, "target_modules", None)
-    settings = {
-        "dtype": dtype,
-        "target_modules": sorted(target_modules) if target_modules else None,
-        "fully_sharded": bool(getattr(lora_config, "fully_sharded_loras", False)),
-        "moe_mixed_format": bool(getattr(lora_config, "enable_mixed_moe_lora_format", False)),
-        "moe_shared": bool(getattr(lora_config, "enable_moe_shared_loras", False)),
-        "tower": bool(getattr(lora_config, "enable_tower_connector_lora", False)),
-    }
-    return json.dumps(settings, sort_keys=True, separators=(",", ":"))
+    return lora_settings(
+        dtype=str(dtype),
+        target_modules=getattr(lora_config, "target_modules", None),
+        fully_sharded=getattr(lora_config, "fully_sharded_loras", False),
+        moe_mixed_format=getattr(lora_config, "enable_mixed_moe_lora_format", False),
+        moe_shared=getattr(lora_config, "enable_moe_shared_loras", False),
+        tower=getattr(lora_config, "enable_tower_connector_lora", False),
+    )
