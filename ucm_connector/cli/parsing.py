@@ -14,12 +14,11 @@ help and usage errors.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import shutil
 from typing import Callable
 
-from .. import __version__
+from .. import __version__, explain
 from .config_commands import cmd_config_check, cmd_config_reference
 from .shm_commands import cmd_shm_list, cmd_shm_status, cmd_shm_stop
 from .store_commands import cmd_store_clear, cmd_store_stats, cmd_store_verify
@@ -47,8 +46,10 @@ commands:
   shm list                 running shm:// servers of this user
   shm status NAME          one shm:// server's figures
   shm stop NAME            stop an shm:// server (its blocks are dropped)
+  explain --store URL --model DIR --prompt TEXT
+                           why a prompt would (partly) miss the store, block by block
 
-  `ucm COMMAND SUBCOMMAND --help` describes each one's options.
+  `ucm COMMAND SUBCOMMAND --help` (`ucm explain --help`) describes each one's options.
 
 store URLs:
   disk:///abs/path  redis://[user:pass@]host:port/db  rediss://...
@@ -132,19 +133,9 @@ def _add_explain(groups: argparse._SubParsersAction) -> None:
     """``ucm explain ...``, a top-level command (not under a group) that
     ``ucm_connector/explain.py`` implements: its ``add_arguments(parser)``
     adds the options, its ``run(args)`` is the command and returns the exit
-    status; its ``HELP`` paragraph (else ``SUMMARY``) is the description,
-    and the first sentence of ``SUMMARY`` (else ``HELP``) the one-line help.
-
-    Registered only when that module exists, because it is written on
-    another branch (issue 12); once it is merged, import it at the top of
-    this module and drop the find_spec test."""
-    if importlib.util.find_spec("ucm_connector.explain") is None:
-        return
-    from .. import explain
-
-    summary = getattr(explain, "SUMMARY", None)
-    text = getattr(explain, "HELP", None) or summary
-    parser = groups.add_parser("explain", help=_first_sentence(summary or text), description=text,
+    status; ``HELP`` is the description, the first sentence of ``SUMMARY``
+    the one-line help."""
+    parser = groups.add_parser("explain", help=_first_sentence(explain.SUMMARY), description=explain.HELP,
                                formatter_class=_Formatter)
     explain.add_arguments(parser)
     parser.set_defaults(func=explain.run)
