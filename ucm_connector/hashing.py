@@ -388,6 +388,17 @@ class MultiModalSpan:
             raise ValueError(f"bad multimodal span {self!r}: need offset >= 0 and length > 0")
 
 
+@dataclass(frozen=True)
+class KeyExtras:
+    """What besides its tokens enters a request's keys: the LoRA adapter's
+    identity and the ``cache_salt`` (in the chain's root), and multimodal
+    inputs (in the blocks they cover)."""
+
+    lora: str | None = None
+    cache_salt: str | None = None
+    mm_spans: tuple[MultiModalSpan, ...] = ()
+
+
 _U32_TYPECODE = next(c for c in "IL" if array.array(c).itemsize == 4)
 _NEEDS_BYTESWAP = sys.byteorder != "little"
 
@@ -482,6 +493,10 @@ class BlockHasher:
                 mm_spans: Sequence[MultiModalSpan] = ()) -> "RequestKeys":
         """A per-request key cache; see ``RequestKeys``."""
         return RequestKeys(self, lora=lora, cache_salt=cache_salt, mm_spans=mm_spans)
+
+    def request_for(self, extras: KeyExtras) -> "RequestKeys":
+        """``request`` for a request's ``KeyExtras``."""
+        return RequestKeys(self, lora=extras.lora, cache_salt=extras.cache_salt, mm_spans=extras.mm_spans)
 
 
 def _spans_by_block(mm_spans: Sequence[MultiModalSpan], block_size: int) -> dict[int, bytes]:

@@ -21,7 +21,7 @@ from store_backends import KVStore, StoreError
 
 from .adapters import AdapterIdentities
 from .events import EventTracker
-from .hashing import BlockHasher, MultiModalSpan, RequestKeys, keys_for_rank
+from .hashing import BlockHasher, KeyExtras, MultiModalSpan, RequestKeys, keys_for_rank
 from .counters import StatsCollector
 from .plans import BlockPlan
 
@@ -46,7 +46,7 @@ class _RequestState:
     overwrite_until: int = 0
 
 
-def _request_extras(request, adapters: AdapterIdentities) -> dict[str, Any] | None:
+def _request_extras(request, adapters: AdapterIdentities) -> KeyExtras | None:
     """What besides its tokens enters a request's keys; ``None`` when the
     request must not share KV (its LoRA adapter cannot be identified)."""
     lora = getattr(request, "lora_request", None)
@@ -62,11 +62,7 @@ def _request_extras(request, adapters: AdapterIdentities) -> dict[str, Any] | No
         identifier = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
         if position is not None and identifier is not None:
             spans.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
-    return {
-        "lora": lora_identity,
-        "cache_salt": getattr(request, "cache_salt", None),
-        "mm_spans": tuple(spans),
-    }
+    return KeyExtras(lora=lora_identity, cache_salt=getattr(request, "cache_salt", None), mm_spans=tuple(spans))
 
 
 def _lora_name(request) -> str | None:
@@ -104,7 +100,7 @@ class UCMScheduler:
             if getattr(request, "prompt_embeds", None) is None:
                 extras = _request_extras(request, self.adapters)
                 if extras is not None:
-                    keys = self.hasher.request(**extras)
+                    keys = self.hasher.request_for(extras)
             state = _RequestState(request=request, keys=keys)
             self._states[request.request_id] = state
         return state
@@ -120,7 +116,7 @@ class UCMScheduler:
             # The token list no longer extends what was hashed (a request
             # rewritten on resume): start its chain again.
             extras = _request_extras(state.request, self.adapters)
-            state.keys = None if extras is None else self.hasher.request(**extras)
+            state.keys = None if extras is None else self.hasher.request_for(extras)
             state.num_stored_blocks = 0
             return [] if state.keys is None else state.keys.update(tokens)
 
