@@ -92,29 +92,25 @@ def warm_up(h: Harness, tokens: list[int]) -> None:
     assert loaded == len(tokens) // BS
 
 
-@pytest.mark.parametrize("multi", [False, True], ids=["plain", "multiconnector"])
 def test_auto_stops_loading_a_throttled_store_and_resumes_once_it_is_lifted(redis_server, proxy, harnesses,
-                                                                             multi, caplog):
+                                                                             caplog):
     direct, slow = urls(redis_server, proxy)
     tokens = prompt(10 * BS + 5, seed=1)
     run(harnesses(direct), tokens)                       # stored, at full speed
-    h = harnesses(slow, multi=multi)
+    h = harnesses(slow)
     warm_up(h, tokens)
 
     throttle_below_break_even(h, proxy)
     with caplog.at_level("INFO", logger="vllm.ucm_connector"):
-        loaded, slow_seconds = run(h, tokens)            # the load that finds the store slow
-        assert loaded == 10
+        # Two reads in a row far slower than the estimate: the store has
+        # slowed down (one alone could be a pause of the host).
+        slow = [run(h, tokens) for _ in range(2)]
+        assert [n for n, _ in slow] == [10, 10]
+        slow_seconds = min(s for _, s in slow)
         skipped = [run(h, tokens) for _ in range(6)]
         assert [n for n, _ in skipped] == [0] * 6, "a hit was loaded from a store 40x slower than recomputing"
         assert unloaded(h, "slow_store") == 6 * 10 * BS and unloaded(h, "latency") == 0
         assert max(s for _, s in skipped) < slow_seconds / 4, "skipped hits are not faster than the slow load"
-        # The probe sent by the first skipped hit confirms the store slow (its
-        # answer comes with a later step's output).
-        for _ in range(20):
-            if policy(h).tiers[0].slow:
-                break
-            assert run(h, tokens)[0] == 0
         assert policy(h).tiers[0].slow
         assert sum("not loading hits from store" in r.getMessage() for r in caplog.records) == 1
 
@@ -144,7 +140,7 @@ def test_a_fast_tier_is_loaded_and_the_throttled_tier_behind_it_recomputed(redis
     direct, slow = urls(redis_server, proxy)
     disk = f"disk://{tmp_path}/fast"
     shared = prompt(4 * BS, seed=3)
-    prompts = [shared + prompt(6 * BS + 5, seed=10 + i) for i in range(5)]
+    prompts = [shared + prompt(6 * BS + 5, seed=10 + i) for i in range(6)]
     writer = harnesses(direct)
     for tokens in prompts:
         run(writer, tokens)                              # Redis holds every block
@@ -152,12 +148,13 @@ def test_a_fast_tier_is_loaded_and_the_throttled_tier_behind_it_recomputed(redis
     h = harnesses([disk, slow])
     warm_up(h, prompts[0])
     throttle_below_break_even(h, proxy)
-    assert run(h, prompts[1])[0] == 10                   # the read that finds the lower tier slow
-    loads = [run(h, tokens)[0] for tokens in prompts[2:]]
+    # The reads that find the lower tier slow.
+    assert [run(h, tokens)[0] for tokens in prompts[1:3]] == [10, 10]
+    loads = [run(h, tokens)[0] for tokens in prompts[3:]]
     assert loads == [4, 4, 4], "not the disk tier's 4 blocks alone"
     assert unloaded(h, "slow_store") == 3 * 6 * BS
     tiers = policy(h).tiers
-    assert not tiers[0].slow and (tiers[1].slow or tiers[1].suspect)
+    assert not tiers[0].slow and tiers[1].slow
 
 
 def test_what_the_workers_measure_reaches_the_scheduler_under_multiconnector(redis_server, proxy, harnesses):

@@ -28,9 +28,8 @@ So that the decision neither lags nor flaps:
 * change: two reads in a row that are at least 2x off the estimate, in the
   same direction and by a margin that matters (half a recompute), replace
   the estimate's history, so a store that slowed down or recovered is
-  believed after two reads and a single stray read is not;
-* suspicion: when one read of a tier in use was past break-even on its own,
-  the next request does not load from that tier; a probe settles it;
+  believed after two reads, and a single stray read (a pause of the host,
+  a burst of traffic) changes no decision;
 * probes: a request that leaves blocks of a tier unloaded asks the workers
   to read two of them in the background (never into the KV cache, never
   on the request's way), one probe per tier at a time, so a skipped tier is
@@ -99,19 +98,21 @@ class Line:
         return self.fixed + n * self.per_unit
 
 
-def fit_line(samples: Sequence[tuple[float, float]]) -> Line | None:
+def fit_line(samples: Sequence[tuple[float, float]], *, lean_low: bool = True) -> Line | None:
     """The line that best explains ``(n, seconds)`` samples (the smaller
     median miss), of two: a Theil-Sen line (the median slope over pairs
     whose sizes differ enough to give one, three at least or every pair
     there is, and the median intercept under it), which tells a fixed cost
     from a cost per unit; and the median cost per unit with no fixed part,
     which is exact at the sizes seen and stays sound when the samples mix
-    two regimes or are all of one size.  ``None`` without a sample of
-    n > 0."""
+    two regimes or are all of one size.  With an even count the median
+    leans low (``lean_low``) or high, so that two samples, one of them
+    stray, give the other.  ``None`` without a sample of n > 0."""
+    median = statistics.median_low if lean_low else statistics.median_high
     per_unit = [s / n for n, s in samples if n > 0]
     if not per_unit:
         return None
-    lines = [Line(0.0, statistics.median(per_unit))]
+    lines = [Line(0.0, median(per_unit))]
     slopes = []
     for i, (n1, s1) in enumerate(samples):
         for n2, s2 in samples[i + 1:]:
@@ -119,9 +120,9 @@ def fit_line(samples: Sequence[tuple[float, float]]) -> Line | None:
                 slopes.append((s2 - s1) / (n2 - n1))
     num_pairs = len(samples) * (len(samples) - 1) // 2
     if slopes and len(slopes) >= min(3, num_pairs):
-        slope = statistics.median(slopes)
+        slope = median(slopes)
         if slope > 0:
-            lines.append(Line(max(0.0, statistics.median(s - slope * n for n, s in samples)), slope))
+            lines.append(Line(max(0.0, median([s - slope * n for n, s in samples])), slope))
     return min(lines, key=lambda line: statistics.median(abs(s - line(n)) for n, s in samples))
 
 
@@ -130,9 +131,10 @@ class _Window:
     in a row far off the line (``relevant`` says whether a miss matters)
     replace the history."""
 
-    def __init__(self, size: int, *, changes: bool = True) -> None:
+    def __init__(self, size: int, *, changes: bool = True, lean_low: bool = True) -> None:
         self.samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=size)
         self.changes = changes
+        self.lean_low = lean_low
         self.line: Line | None = None
         self._off: list[tuple[int, tuple[float, float]]] = []   # (direction, sample)
 
@@ -158,7 +160,7 @@ class _Window:
             self._off = []
         else:
             self.samples.append(sample)
-        self.line = fit_line(list(self.samples))
+        self.line = fit_line(list(self.samples), lean_low=self.lean_low)
         return changed
 
 
@@ -170,7 +172,6 @@ class TierState:
     reads: _Window = dataclasses.field(default_factory=lambda: _Window(READ_WINDOW))
     nbytes_per_block: float = 0.0
     slow: bool = False              # marked slow: never loaded while so
-    suspect: bool = False           # the last read alone was past break-even
     probe_sent_at: float | None = None
 
 
@@ -203,7 +204,8 @@ class LoadPolicy:
         self.tiers = [TierState(name) for name in tier_names]
         # Steps come often: a median over the window follows a change soon
         # enough, and a burst of load elsewhere on the host does not reset it.
-        self.steps = _Window(STEP_WINDOW, changes=False)
+        # Both lean toward loading: reads cheaper, recomputing dearer.
+        self.steps = _Window(STEP_WINDOW, changes=False, lean_low=False)
         self._clock = clock
 
     # -- measurements -----------------------------------------------------------
@@ -233,12 +235,7 @@ class LoadPolicy:
             tier.probe_sent_at = None
             if read.num_blocks:
                 tier.nbytes_per_block = read.nbytes / read.num_blocks
-            before = tier.reads.line
             tier.reads.add(read.num_blocks, read.seconds, relevant)
-            if per_block is not None and read.num_blocks and not tier.slow:
-                fixed = before.fixed if before is not None else 0.0
-                alone = max(0.0, read.seconds - fixed) / read.num_blocks
-                tier.suspect = alone > SKIP_ABOVE * per_block
         if per_block is None:
             return
         for index, tier in enumerate(self.tiers):
@@ -250,14 +247,14 @@ class LoadPolicy:
             return
         ratio = line.per_unit / per_block
         if not tier.slow and ratio > SKIP_ABOVE:
-            tier.slow, tier.suspect = True, False
+            tier.slow = True
             logger.warning(
                 "ucm-connector: load_policy auto: not loading hits from store %s: a block takes %s to load "
                 "(%s), %s to recompute; those hits are recomputed until the store is faster again "
                 "(counted in vllm:ucm_unloaded_hit_tokens_total{reason=\"slow_store\"})",
                 tier.name, _ms(line.per_unit), self._speed(tier, line), _ms(per_block))
         elif tier.slow and ratio < RESUME_BELOW:
-            tier.slow = tier.suspect = False
+            tier.slow = False
             logger.info(
                 "ucm-connector: load_policy auto: loading hits from store %s again: a block takes %s to load "
                 "(%s), %s to recompute", tier.name, _ms(line.per_unit), self._speed(tier, line), _ms(per_block))
@@ -279,7 +276,7 @@ class LoadPolicy:
         if per_block is None or found <= first:
             return LoadDecision(max(first, found))
         end = first                 # the prefix to have, so far
-        blocked: int | None = None  # where a tier marked slow (or suspect) starts
+        blocked: int | None = None  # where a tier marked slow starts
         load_seconds = 0.0
         probes: list[Probe] = []
         lo = 0
@@ -290,7 +287,7 @@ class LoadPolicy:
                 continue
             start = max(lo, first)
             tier = self.tiers[tier_index] if 0 <= tier_index < len(self.tiers) else None
-            if tier is not None and (tier.slow or tier.suspect):
+            if tier is not None and tier.slow:
                 blocked = start
                 probes.append(Probe(tier_index, start, min(PROBE_BLOCKS, hi - start)))
                 break
