@@ -73,6 +73,16 @@ def test_the_recompute_estimate_is_the_marginal_cost_of_a_token():
     assert p.recompute_seconds_per_block == pytest.approx(RC)
 
 
+def test_many_short_steps_do_not_push_out_what_long_ones_said():
+    """A prefill, then hit after hit computing only a tail: the cost of a
+    token stays the slope between the two, not a tail step's cost per token
+    (mostly the step's overhead)."""
+    p = policy()
+    p.observe(steps=[StepSample(0.100 + 1000 * PER_TOKEN, 1000)])
+    p.observe(steps=[StepSample(0.100 + 104 * PER_TOKEN, 104) for _ in range(50)])
+    assert p.recompute_seconds_per_block == pytest.approx(RC)
+
+
 # -- with nothing measured, it loads -------------------------------------------------------
 
 
@@ -120,11 +130,27 @@ def test_a_store_just_slower_than_recomputing_is_skipped():
 
 def test_a_high_latency_store_loads_long_hits_and_leaves_short_ones():
     p = policy()
+    for _ in range(5):                              # the hits that come in are long
+        p.scheduled(p.decide(0, [(0, 20)]))
     measured(p, per_block=RC / 10, latency=RC * 5, sizes=(1, 4, 10, 16, 2))
+    assert not p.tiers[0].slow, "at the size of its hits, the store loads faster than recomputing"
     short = p.decide(0, [(0, 3)])
     assert short.num_blocks == 0 and short.unloaded == {LATENCY: 3}
     assert short.probes, "a tier left for its latency is still probed"
     assert p.decide(0, [(0, 20)]).num_blocks == 20
+
+
+def test_a_store_judged_at_the_size_of_its_hits():
+    """The same store, whose reads cost 5 recomputed blocks of latency and a
+    tenth of one per block: slow for hits of 3 blocks, fast for hits of 30."""
+    judged = {}
+    for size in (3, 30):
+        p = policy()
+        for _ in range(5):
+            p.scheduled(p.decide(0, [(0, size)]))
+        measured(p, per_block=RC / 10, latency=RC * 5, sizes=(1, 4, 10, 16, 2))
+        judged[size] = p.tiers[0].slow
+    assert judged == {3: True, 30: False}
 
 
 def test_a_fast_tier_is_loaded_and_a_slow_one_behind_it_left():

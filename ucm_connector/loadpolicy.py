@@ -4,13 +4,15 @@ recomputing it.
 The scheduler decides; the workers measure (``measure.py``) and their
 measurements reach the scheduler with every step's output.  From them this
 module keeps two estimates, both lines ``seconds = fixed + n * per_unit``
-through recent samples, made of medians so that a stray sample does not
-move them (``fit_line``):
+made of medians, so that a stray sample does not move them:
 
-* per tier of the store, what a read call costs: ``latency + blocks *
-  seconds_per_block``;
-* for the engine, what a step costs: ``overhead + tokens *
-  seconds_per_token``.  Recomputing a block costs ``block_size *
+* per tier of the store, what a read call costs, ``latency + blocks *
+  seconds_per_block``, through the last reads (``fit_line``); a tier is
+  judged by what a block costs at the size of the hits that come to it;
+* for the engine, what a step costs, ``overhead + tokens *
+  seconds_per_token``, through the medians of recent steps of each size
+  (``StepCosts``: short steps, a decode or a hit's tail, do not push the
+  long ones out).  Recomputing a block costs ``block_size *
   seconds_per_token`` more; the step's overhead is paid anyway.
 
 A request's stored prefix is a run of blocks per tier (the fast tier's
@@ -45,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from typing import Callable, Sequence
@@ -63,7 +66,7 @@ CHANGE_READS = 2            # ... and this many in a row make one
 PROBE_BLOCKS = 2            # blocks a probe reads: little for a slow link to carry
 PROBE_TIMEOUT_S = 10.0      # a probe with no answer by then is given up
 READ_WINDOW = 8             # recent reads per tier an estimate is made of
-STEP_WINDOW = 16            # recent steps the prefill estimate is made of
+STEPS_PER_SIZE = 8          # recent steps of each size (power of two) the prefill estimate is made of
 MIN_STEP_TOKENS = 16        # smaller steps say more about overhead than about tokens
 
 
@@ -98,7 +101,7 @@ class Line:
         return self.fixed + n * self.per_unit
 
 
-def fit_line(samples: Sequence[tuple[float, float]], *, lean_low: bool = True) -> Line | None:
+def fit_line(samples: Sequence[tuple[float, float]]) -> Line | None:
     """The line that best explains ``(n, seconds)`` samples (the smaller
     median miss), of two: a Theil-Sen line (the median slope over pairs
     whose sizes differ enough to give one, three at least or every pair
@@ -106,9 +109,9 @@ def fit_line(samples: Sequence[tuple[float, float]], *, lean_low: bool = True) -
     from a cost per unit; and the median cost per unit with no fixed part,
     which is exact at the sizes seen and stays sound when the samples mix
     two regimes or are all of one size.  With an even count the median
-    leans low (``lean_low``) or high, so that two samples, one of them
-    stray, give the other.  ``None`` without a sample of n > 0."""
-    median = statistics.median_low if lean_low else statistics.median_high
+    leans low (toward loading), so that two samples, one of them stray,
+    give the other.  ``None`` without a sample of n > 0."""
+    median = statistics.median_low
     per_unit = [s / n for n, s in samples if n > 0]
     if not per_unit:
         return None
@@ -131,10 +134,8 @@ class _Window:
     in a row far off the line (``relevant`` says whether a miss matters)
     replace the history."""
 
-    def __init__(self, size: int, *, changes: bool = True, lean_low: bool = True) -> None:
+    def __init__(self, size: int) -> None:
         self.samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=size)
-        self.changes = changes
-        self.lean_low = lean_low
         self.line: Line | None = None
         self._off: list[tuple[int, tuple[float, float]]] = []   # (direction, sample)
 
@@ -142,7 +143,7 @@ class _Window:
         """Add a sample; True when it completed a change (history replaced)."""
         sample = (float(n), float(seconds))
         direction = 0
-        if self.changes and self.line is not None:
+        if self.line is not None:
             expected = self.line(n)
             if expected > 0 and (relevant is None or relevant(abs(seconds - expected), n)):
                 if seconds > CHANGE_FACTOR * expected:
@@ -160,8 +161,39 @@ class _Window:
             self._off = []
         else:
             self.samples.append(sample)
-        self.line = fit_line(list(self.samples), lean_low=self.lean_low)
+        self.line = fit_line(list(self.samples))
         return changed
+
+
+class StepCosts:
+    """Recent steps by size (powers of two of their token counts), the
+    last few of each, and the line through each size's median: the cost of
+    a token is the slope between sizes, so a step's fixed overhead is not
+    counted as compute.  With one size seen, the median cost per token of
+    it (overhead included: an upper bound, which leans toward loading)."""
+
+    def __init__(self, per_size: int = STEPS_PER_SIZE) -> None:
+        self._sizes: dict[int, collections.deque[tuple[float, float]]] = {}
+        self._per_size = per_size
+        self.line: Line | None = None
+
+    def add(self, n: int, seconds: float) -> None:
+        size = max(0, int(math.log2(n)))
+        self._sizes.setdefault(size, collections.deque(maxlen=self._per_size)).append((float(n), float(seconds)))
+        points = []
+        for samples in self._sizes.values():
+            n_mid = statistics.median_low(n for n, _ in samples)
+            points.append((n_mid, n_mid * statistics.median_high(s / n for n, s in samples)))
+        if len(points) == 1:
+            self.line = Line(0.0, points[0][1] / points[0][0])
+            return
+        slopes = [(s2 - s1) / (n2 - n1) for i, (n1, s1) in enumerate(points) for n2, s2 in points[i + 1:]]
+        slope = statistics.median_high(slopes)
+        if slope <= 0:
+            n_big, s_big = max(points)
+            self.line = Line(0.0, s_big / n_big)
+            return
+        self.line = Line(max(0.0, statistics.median(s - slope * n for n, s in points)), slope)
 
 
 @dataclasses.dataclass
@@ -173,6 +205,21 @@ class TierState:
     nbytes_per_block: float = 0.0
     slow: bool = False              # marked slow: never loaded while so
     probe_sent_at: float | None = None
+    # Blocks that recent requests had stored in this tier: the size a tier
+    # is judged at (a split of a read's cost into latency and throughput is
+    # surest near the sizes read).
+    hit_blocks: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
+
+    def seconds_per_block(self) -> float | None:
+        """What a block costs to load, at the size of the hits that come here."""
+        line = self.reads.line
+        if line is None:
+            return None
+        if self.hit_blocks:
+            n = statistics.median_low(self.hit_blocks)
+        else:
+            n = statistics.median_low([n for n, _ in self.reads.samples if n > 0] or [1.0])
+        return line(max(n, 1)) / max(n, 1)
 
 
 @dataclasses.dataclass
@@ -193,6 +240,8 @@ class LoadDecision:
     num_blocks: int
     unloaded: dict[str, int] = dataclasses.field(default_factory=dict)
     probes: list[Probe] = dataclasses.field(default_factory=list)
+    # (tier, blocks) of the stored prefix past the local blocks.
+    hits: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class LoadPolicy:
@@ -202,10 +251,7 @@ class LoadPolicy:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.tiers = [TierState(name) for name in tier_names]
-        # Steps come often: a median over the window follows a change soon
-        # enough, and a burst of load elsewhere on the host does not reset it.
-        # Both lean toward loading: reads cheaper, recomputing dearer.
-        self.steps = _Window(STEP_WINDOW, changes=False, lean_low=False)
+        self.steps = StepCosts()
         self._clock = clock
 
     # -- measurements -----------------------------------------------------------
@@ -242,25 +288,26 @@ class LoadPolicy:
             self._judge(index, tier, per_block)
 
     def _judge(self, index: int, tier: TierState, per_block: float) -> None:
-        line = tier.reads.line
-        if line is None:
+        load = tier.seconds_per_block()
+        if load is None:
             return
-        ratio = line.per_unit / per_block
+        ratio = load / per_block
         if not tier.slow and ratio > SKIP_ABOVE:
             tier.slow = True
             logger.warning(
                 "ucm-connector: load_policy auto: not loading hits from store %s: a block takes %s to load "
                 "(%s), %s to recompute; those hits are recomputed until the store is faster again "
                 "(counted in vllm:ucm_unloaded_hit_tokens_total{reason=\"slow_store\"})",
-                tier.name, _ms(line.per_unit), self._speed(tier, line), _ms(per_block))
+                tier.name, _ms(load), self._speed(tier), _ms(per_block))
         elif tier.slow and ratio < RESUME_BELOW:
             tier.slow = False
             logger.info(
                 "ucm-connector: load_policy auto: loading hits from store %s again: a block takes %s to load "
-                "(%s), %s to recompute", tier.name, _ms(line.per_unit), self._speed(tier, line), _ms(per_block))
+                "(%s), %s to recompute", tier.name, _ms(load), self._speed(tier), _ms(per_block))
 
     @staticmethod
-    def _speed(tier: TierState, line: Line) -> str:
+    def _speed(tier: TierState) -> str:
+        line = tier.reads.line
         rate = tier.nbytes_per_block / line.per_unit / 1e6 if line.per_unit > 0 else float("inf")
         return f"{rate:.1f} MB/s per worker, {_ms(line.fixed)} per call"
 
@@ -272,9 +319,10 @@ class LoadPolicy:
         order, from block 0.  Pure: call ``scheduled`` once the decision is
         acted on."""
         found = sum(n for _, n in runs)
+        hits = [(t, hi - max(lo, first)) for t, _, (lo, hi) in _spans(runs) if hi > first]
         per_block = self.recompute_seconds_per_block
         if per_block is None or found <= first:
-            return LoadDecision(max(first, found))
+            return LoadDecision(max(first, found), hits=hits)
         end = first                 # the prefix to have, so far
         blocked: int | None = None  # where a tier marked slow starts
         load_seconds = 0.0
@@ -309,7 +357,7 @@ class LoadPolicy:
             unloaded[SLOW_STORE] = found - blocked
         now = self._clock()
         probes = [p for p in probes if self._may_probe(p.tier, now)]
-        return LoadDecision(end, unloaded, probes)
+        return LoadDecision(end, unloaded, probes, hits)
 
     @staticmethod
     def _tier_at(runs: Sequence[tuple[int, int]], block: int) -> int | None:
@@ -327,10 +375,22 @@ class LoadPolicy:
         return sent is None or now - sent > PROBE_TIMEOUT_S
 
     def scheduled(self, decision: LoadDecision) -> None:
-        """The decision was acted on: its probes are on their way."""
+        """The decision was acted on: its probes are on their way, and its
+        hits tell the size a tier is judged at."""
         now = self._clock()
         for probe in decision.probes:
             self.tiers[probe.tier].probe_sent_at = now
+        for tier, n in decision.hits:
+            if 0 <= tier < len(self.tiers) and n > 0:
+                self.tiers[tier].hit_blocks.append(n)
+
+
+def _spans(runs: Sequence[tuple[int, int]]):
+    """``(tier, num_blocks, (first block, end block))`` of each run."""
+    lo = 0
+    for tier, n in runs:
+        yield tier, n, (lo, lo + n)
+        lo += n
 
 
 def _ms(seconds: float) -> str:
