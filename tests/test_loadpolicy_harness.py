@@ -166,3 +166,4 @@ def test_what_the_workers_measure_reaches_the_scheduler_under_multiconnector(red
     p = policy(h)
     assert p.recompute_seconds_per_block == pytest.approx(SECONDS_PER_TOKEN * BS, rel=1.0)
     assert p.tiers[0].reads.line is not None and p.tiers[0].nbytes_per_block > WIDTH * BS * 8
+    assert list(p.tiers[0].hit_blocks) == [5], "the size of the hit a tier is judged at"

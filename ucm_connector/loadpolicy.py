@@ -24,9 +24,10 @@ reason: ``slow_store`` (a tier marked slow, and whatever lies behind it) or
 
 So that the decision neither lags nor flaps:
 
-* hysteresis: a tier is marked slow when a block loads more than 1.2x slower
-  than it recomputes, and cleared only when it loads more than 1.2x faster;
-  each change is logged once;
+* hysteresis: a tier is marked slow when a block, at the size of the hits
+  that come to it, loads more than 1.2x slower than it recomputes, and
+  cleared only when it loads more than 1.2x faster; each change is logged
+  once;
 * change: two reads in a row that are at least 2x off the estimate, in the
   same direction and by a margin that matters (half a recompute), replace
   the estimate's history, so a store that slowed down or recovered is
@@ -284,10 +285,10 @@ class LoadPolicy:
             tier.reads.add(read.num_blocks, read.seconds, relevant)
         if per_block is None:
             return
-        for index, tier in enumerate(self.tiers):
-            self._judge(index, tier, per_block)
+        for tier in self.tiers:
+            self._judge(tier, per_block)
 
-    def _judge(self, index: int, tier: TierState, per_block: float) -> None:
+    def _judge(self, tier: TierState, per_block: float) -> None:
         load = tier.seconds_per_block()
         if load is None:
             return

@@ -255,9 +255,10 @@ class UCMScheduler:
                     for reason, n in decision.unloaded.items() if n > 0}
         if unloaded:
             self.stats.add(**unloaded)
-        if decision.probes and self.policy is not None and state.keys is not None:
-            keys = state.keys.keys
-            self._probes += [BlockProbe(p.tier, keys[p.first:p.first + p.num_blocks]) for p in decision.probes]
+        if self.policy is not None:
+            keys = state.keys.keys if state.keys is not None else []
+            self._probes += [BlockProbe(p.tier, keys[p.first:p.first + p.num_blocks])
+                             for p in decision.probes if keys[p.first:p.first + p.num_blocks]]
             self.policy.scheduled(decision)
 
     def take_probes(self) -> list[BlockProbe]:
