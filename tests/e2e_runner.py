@@ -50,6 +50,15 @@ Steps (each may carry a "name"; results are keyed by it):
 * ``{"op": "kill", "pid": PID}``: SIGKILL a process the test started (a
   Redis server taken down mid-run).
 * ``{"op": "sleep", "seconds": S}``.
+* ``{"op": "reset_prefix_cache"}``: empty vLLM's own prefix cache (the next
+  generate computes from scratch, or loads from the connector's store).
+* ``{"op": "throttle", "rate": BYTES_PER_S | null}``: limit the spec's
+  throttling proxy (``"throttle_proxy": {"upstream": "HOST:PORT"}``; every
+  ``{proxy_port}`` in the spec is its port) to that rate each way, or lift
+  the limit; ``{"op": "throttle", "below_break_even": F, "cold_step": N}``:
+  to F times slower than this engine's prefill, as step N (one prompt,
+  computed with no reuse) measured it: a block's KV bytes over the seconds
+  N took per block of its prompt.
 * ``{"op": "subscribe"}``: connect a ZMQ subscriber to the engine's KV-event
   publisher (``kv_events_port``) and collect what it publishes;
   ``{"op": "events"}`` returns the events collected so far (each a dict:
@@ -360,9 +369,37 @@ def engine_specs(spec: dict) -> list[dict]:
     return [dict(base, **over) for over in spec.get("engines") or [{}]]
 
 
+def block_nbytes(llm) -> int:
+    """Bytes of KV of one block of this engine (one TP rank)."""
+    config = llm.llm_engine.vllm_config
+    model, parallel = config.model_config, config.parallel_config
+    return (model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
+            * 2 * model.dtype.itemsize * config.cache_config.block_size)
+
+
+def throttle_rate(llm, step: dict, results: dict) -> float | None:
+    if "below_break_even" not in step:
+        return None if step.get("rate") is None else float(step["rate"])
+    cold = results[step["cold_step"]]
+    num_tokens = len(cold["prompts"][0])
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    seconds_per_block = cold["seconds"] * block_size / num_tokens
+    return block_nbytes(llm) / seconds_per_block / float(step["below_break_even"])
+
+
 def main(spec_path: str, out_path: str) -> int:
     with open(spec_path) as f:
-        spec = json.load(f)
+        text = f.read()
+    proxy = None
+    if '"throttle_proxy"' in text:
+        sys.path.insert(0, HERE)
+        from throttle_proxy import ThrottleProxy
+
+        upstream = json.loads(text)["throttle_proxy"]["upstream"]
+        host, port = upstream.rsplit(":", 1)
+        proxy = ThrottleProxy((host, int(port))).start()
+        text = text.replace("{proxy_port}", str(proxy.port))
+    spec = json.loads(text)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     result: dict = {"ok": False, "error": None, "steps": {}}
@@ -412,6 +449,12 @@ def main(spec_path: str, out_path: str) -> int:
             elif op == "sleep":
                 time.sleep(float(step["seconds"]))
                 res = {}
+            elif op == "reset_prefix_cache":
+                res = {"reset": bool(llms[i].reset_prefix_cache())}
+            elif op == "throttle":
+                rate = throttle_rate(llms[i], step, result["steps"])
+                proxy.set_rate(rate)
+                res = {"rate": rate}
             elif op == "subscribe":
                 subscriber = EventSubscriber(int(specs[i]["kv_events_port"]))
                 time.sleep(0.5)   # a SUB socket misses what is sent before it joins
@@ -432,6 +475,8 @@ def main(spec_path: str, out_path: str) -> int:
     finally:
         if subscriber is not None:
             subscriber.close()
+        if proxy is not None:
+            proxy.set_rate(None)
         dump()
     # Leave the engine core to vLLM's own shutdown at exit.
     return 0

@@ -31,6 +31,7 @@ with it, byte for byte, after every step.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,13 @@ class Harness:
     # Called as before_load(harness, scheduler_output) between the schedule
     # (the lookup) and the worker's loads: a test breaks the store there.
     before_load: Any = None
+    # Bigger pages: each slot holds its value kv_width times (blocks of
+    # block_size * kv_width * 8 bytes per layer), so that a store's speed
+    # shows at realistic sizes.
+    kv_width: int = 1
+    # What the fake forward pass costs: it sleeps this long per token it
+    # computes, so that recomputing has a price (load_policy auto).
+    seconds_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         from vllm import SamplingParams  # noqa: F401  (imported early: fails fast without vLLM)
@@ -162,8 +170,8 @@ class Harness:
         self.worker = KVConnectorFactory.create_connector(
             config=self.vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config)
         # One int64 page of block_size slots per block and layer.
-        self.caches = {name: torch.zeros(self.num_blocks, self.block_size, dtype=torch.int64)
-                       for name in self.layer_names}
+        shape = (self.num_blocks, self.block_size) + ((self.kv_width,) if self.kv_width > 1 else ())
+        self.caches = {name: torch.zeros(*shape, dtype=torch.int64) for name in self.layer_names}
         self.worker.register_kv_caches(self.caches)
         self.ucm_worker = _ucm(self.worker)
         self.ucm_scheduler = _ucm(self.scheduler.connector)
@@ -287,13 +295,16 @@ class Harness:
             for req_id, start, n, block_ids, tokens, h in work:
                 end = start + n
                 nblk = (end + self.block_size - 1) // self.block_size
-                flat = page[block_ids[:nblk]].reshape(-1)[:end].tolist()
+                pages = page[block_ids[:nblk]]
+                flat = (pages[..., 0] if self.kv_width > 1 else pages).reshape(-1)[:end].tolist()
                 d = 0
                 for p, value in enumerate(flat):
                     d = (d * _MUL_D + (value % MOD)) % MOD
                     if p >= start:
                         h[p - start] = _mix_h(h[p - start], d)
             self.worker.save_kv_layer(name, page, None)
+        if self.seconds_per_token:
+            time.sleep(self.seconds_per_token * sum(n for _, _, n, _, _, _ in work))
         sampled = {}
         for req_id, start, n, block_ids, tokens, h in work:
             if start + n >= len(tokens):
@@ -323,15 +334,16 @@ class Harness:
         digest = self.namespace.digest
         expected: dict[bytes, bytes] = {}
         for tokens in _SEQUENCES:
-            memo_key = (tokens, self.num_layers, self.block_size, digest)
+            memo_key = (tokens, self.num_layers, self.block_size, self.kv_width, digest)
             blocks = _EXPECTED.get(memo_key)
             if blocks is None:
                 kv = reference_kv(list(tokens), self.num_layers)
                 blocks = {}
                 for j, key in enumerate(self.keys_of(list(tokens))):
                     lo, hi = j * self.block_size, (j + 1) * self.block_size
-                    blocks[key] = b"".join(np.asarray(kv[layer][lo:hi], dtype=np.int64).tobytes()
-                                           for layer in range(self.num_layers))
+                    blocks[key] = b"".join(
+                        np.repeat(np.asarray(kv[layer][lo:hi], dtype=np.int64), self.kv_width).tobytes()
+                        for layer in range(self.num_layers))
                 _EXPECTED[memo_key] = blocks
             expected.update(blocks)
         return expected

@@ -51,3 +51,31 @@ def test_dashboard_queries_only_existing_counters_and_shows_each():
     assert not missing, f"counters with no panel: {sorted(missing)}"
     for e in exprs:
         assert e.count("(") == e.count(")"), f"unbalanced query: {e}"
+
+
+def test_hit_tokens_left_unloaded_are_exported_with_their_reason():
+    """One counter, a sample per reason, on top of vLLM's own labels."""
+    import functools
+
+    import prometheus_client
+
+    from ucm_connector.metrics import build_prom_metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry)
+             for cls in (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)}
+
+    class Config:
+        kv_transfer_config = None
+
+    metrics = build_prom_metrics(Config(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    metrics.observe({"unloaded_hit_tokens_slow_store": 256, "unloaded_hit_tokens_latency": 16, "hit_tokens": 128})
+    metrics.observe({"unloaded_hit_tokens_slow_store": 128})
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
+
+    assert value("vllm:ucm_unloaded_hit_tokens_total", reason="slow_store") == 384
+    assert value("vllm:ucm_unloaded_hit_tokens_total", reason="latency") == 16
+    assert value("vllm:ucm_unloaded_hit_tokens_total", reason="min_hit_blocks") == 0
+    assert value("vllm:ucm_hit_tokens_total") == 128

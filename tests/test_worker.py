@@ -200,5 +200,123 @@ def test_the_worker_side_imports_without_vllm():
             "        if name == 'vllm' or name.startswith('vllm.'):\n"
             "            raise ImportError(name)\n"
             "sys.meta_path.insert(0, NoVllm())\n"
-            "import ucm_connector.worker, ucm_connector.transfer, ucm_connector.plans\n")
+            "import ucm_connector.worker, ucm_connector.transfer, ucm_connector.plans\n"
+            "import ucm_connector.measure, ucm_connector.loadpolicy\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- load_policy auto: what the worker measures ------------------------------------------
+
+
+@pytest.fixture
+def slow_tier(tmp_path, redis_server):
+    """A tier: a disk store in front of a Redis behind a throttling proxy
+    (tests/throttle_proxy.py), throttled by each test."""
+    from throttle_proxy import ThrottleProxy
+
+    proxy = ThrottleProxy(("127.0.0.1", redis_server.port)).start()
+    ns = "w" + time.strftime("%H%M%S") + str(id(proxy))[-6:]
+    urls = [f"disk://{tmp_path}/front", f"redis://127.0.0.1:{proxy.port}/0?namespace={ns}&timeout=30"]
+    store = open_store(urls)
+    yield store, proxy
+    store.close()
+    proxy.close()
+
+
+def _measuring_worker(store, caches):
+    from ucm_connector.measure import LoadObserver
+
+    w = worker_mod.UCMWorker(store=store, namespace_digest=NS, tp_rank=0, num_blocks=NUM_BLOCKS,
+                             max_pending_nbytes=1 << 30, stats=StatsCollector(), blocks_per_request=8,
+                             observer=LoadObserver())
+    w.register_kv_caches(caches)
+    return w
+
+
+def _stored_in_tiers(store, keys, num_front: int) -> None:
+    """Every key saved in the lower tier, the first ``num_front`` in the front one too."""
+    saver = _worker(store.stores[1], _caches(11))
+    saver.save([BlockPlan("r", list(range(len(keys))), keys)])
+    assert saver.flush(10)
+    saver.close()
+    front = _worker(store.stores[0], _caches(11))
+    front.save([BlockPlan("r", list(range(num_front)), keys[:num_front])])
+    assert front.flush(10)
+    front.close()
+
+
+def test_reads_are_timed_per_tier_and_the_forward_pass_without_them(slow_tier):
+    store, proxy = slow_tier
+    keys = _keys(7)
+    _stored_in_tiers(store, keys, num_front=3)
+    w = _measuring_worker(store, _caches(12))
+    proxy.set_rate(200_000)
+    plans = [BlockPlan("q", list(range(10, 17)), keys)]
+    w.begin_step(200, plans, [])
+    t0 = time.perf_counter()
+    w.load(plans)
+    load_seconds = time.perf_counter() - t0
+    time.sleep(0.05)                                   # the forward pass
+    w.end_step()
+    assert w.take_load_errors() == set()
+    reads, steps = w.take_measurements()
+    by_tier = {r.tier: r for r in reads}
+    assert sorted(by_tier) == [0, 1]
+    assert by_tier[0].num_blocks == 3 and by_tier[1].num_blocks == 4
+    assert by_tier[1].nbytes == 4 * w.block_nbytes
+    assert by_tier[1].seconds > 10 * by_tier[0].seconds, "the throttled tier does not read slower"
+    assert load_seconds > 0.3
+    (step,) = steps
+    assert step.num_tokens == 200
+    assert 0.05 <= step.seconds < 0.05 + load_seconds / 2, "the load's time was counted as the forward pass's"
+    assert w.take_measurements() is None
+    w.close()
+
+
+def test_a_probe_reads_its_tier_in_the_background_and_touches_no_page(slow_tier):
+    from ucm_connector.plans import BlockProbe
+
+    store, proxy = slow_tier
+    keys = _keys(4)
+    _stored_in_tiers(store, keys, num_front=0)
+    caches = _caches(13)
+    before = _pages(caches, range(NUM_BLOCKS))
+    w = _measuring_worker(store, caches)
+    proxy.set_rate(100_000)
+    t0 = time.perf_counter()
+    w.begin_step(0, [], [BlockProbe(1, keys[:2]), BlockProbe(1, keys[2:4])])
+    w.end_step()
+    assert time.perf_counter() - t0 < 0.1, "the step waited for the probe"
+    deadline = time.monotonic() + 10
+    reads = []
+    while time.monotonic() < deadline and not reads:
+        time.sleep(0.05)
+        measured = w.take_measurements()
+        reads = measured[0] if measured else []
+    assert [(r.tier, r.num_blocks) for r in reads] == [(1, 2)], "one probe per tier at a time"
+    time.sleep(0.3)
+    assert w.take_measurements() is None
+    assert _pages(caches, range(NUM_BLOCKS)) == before
+    w.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_the_step_clock_times_the_device_and_never_waits_for_it():
+    from ucm_connector.measure import LoadObserver, StepClock
+
+    observer = LoadObserver()
+    clock = StepClock(observer, on_cuda=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    clock.begin(512)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        a = torch.tanh(a @ a)
+    clock.end()
+    host_seconds = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    clock.begin(1)
+    clock.end()                                        # collects the first step, now complete
+    reads, steps = observer.take()
+    assert steps[0].num_tokens == 512
+    assert steps[0].seconds > host_seconds, "the clock timed the host's launches, not the device's work"

@@ -143,6 +143,13 @@ OPTIONS: tuple[Option, ...] = (
            "Load hits layer by layer while the forward pass runs: layer i's attention waits "
            "only for layer i's pages. Not together with load_kv_async.",
            _bool),
+    Option("load_policy", "always | auto", "auto",
+           "Which stored hits to load: every one (always), or (auto) only as much of each as loads "
+           "faster than the engine recomputes it, judged from the store's read speed and latency "
+           "(per tier) and the engine's prefill speed as the workers measure them; until there "
+           "is a measurement, auto loads like always. Hit tokens left unloaded are counted in "
+           "vllm:ucm_unloaded_hit_tokens_total by reason.",
+           _choice("always", "auto")),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -157,6 +164,7 @@ class UCMConfig:
     min_hit_blocks: int = 1
     load_kv_async: bool = False
     load_layerwise: bool = False
+    load_policy: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "UCMConfig":

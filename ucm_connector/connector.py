@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from store_backends import StoreError, open_store
@@ -27,8 +28,11 @@ from .config import LoadMode, UCMConfig
 from .events import EventTracker, OutcomeLog, UCMKVEvents, events_enabled
 from .hashing import BlockHasher
 from .layout import lora_engine_settings, namespace_for
+from .loadpolicy import LoadPolicy, ReadSample, StepSample
 from .manifest import write_manifest
+from .measure import LoadObserver, tiers_of
 from .metrics import StatsCollector, UCMStats, build_prom_metrics
+from .plans import BlockProbe
 from .scheduler import BlockPlan, UCMScheduler
 
 # Under "vllm." so that vLLM's log handlers and format apply.
@@ -41,6 +45,24 @@ class UCMConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockPlan] = dataclasses.field(default_factory=list)
     saves: list[BlockPlan] = dataclasses.field(default_factory=list)
+    # load_policy auto: the tokens the step computes (its forward pass is
+    # timed against them) and blocks to read in the background for timing.
+    num_tokens: int = 0
+    probes: list[BlockProbe] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class UCMWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers measured in a step (``load_policy: auto``), carried
+    to the scheduler with the step's output; vLLM joins the TP ranks'."""
+
+    reads: list[ReadSample] = dataclasses.field(default_factory=list)
+    steps: list[StepSample] = dataclasses.field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "UCMWorkerMeta":
+        if isinstance(other, UCMWorkerMeta):
+            return UCMWorkerMeta(self.reads + other.reads, self.steps + other.steps)
+        return self
 
 
 KEEP_POLICY_ENV = "UCM_KEEP_KV_LOAD_FAILURE_POLICY"
@@ -113,6 +135,7 @@ class UCMConnector(KVConnectorBase_V1):
         self._scheduler: UCMScheduler | None = None
         self._worker = None
         with_events = events_enabled(vllm_config)
+        auto = self.config.load_policy == "auto" and self._load_enabled
         try:
             self.store = _open_store(self.config)
         except StoreError as exc:
@@ -131,7 +154,9 @@ class UCMConnector(KVConnectorBase_V1):
                 load_async=self.config.load_mode is LoadMode.ASYNC,
                 events=EventTracker(enabled=with_events and self._save_enabled,
                                     tp_size=namespace.tp_size, block_size=namespace.block_size),
-                adapters=AdapterIdentities(lora_engine_settings(vllm_config)))
+                adapters=AdapterIdentities(lora_engine_settings(vllm_config)),
+                policy=LoadPolicy(tier_names=[t.url for t in tiers_of(self.store)],
+                                  block_size=namespace.block_size) if auto else None)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -161,7 +186,8 @@ class UCMConnector(KVConnectorBase_V1):
                 stats=self.stats,
                 blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size,
                 load_mode=self.config.load_mode, events=OutcomeLog(enabled=with_events),
-                share_failures=_tp_union if namespace.tp_size > 1 else None)
+                share_failures=_tp_union if namespace.tp_size > 1 else None,
+                observer=LoadObserver() if auto else None)
             from .plugin import apply_sparse
 
             # Patches vLLM's attention path only when a sparse method is configured.
@@ -171,6 +197,12 @@ class UCMConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, UCMConnectorMetadata):
+            self._worker.begin_step(connector_metadata.num_tokens, connector_metadata.loads,
+                                    connector_metadata.probes)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if not self._load_enabled:
@@ -187,6 +219,8 @@ class UCMConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.end_step()
         if not self._save_enabled:
             return
         meta = self._get_connector_metadata()
@@ -200,6 +234,10 @@ class UCMConnector(KVConnectorBase_V1):
         # Saves never hold a request's blocks (they are copied out in
         # wait_for_save); only asynchronous loads finish later.
         return None, self._worker.get_finished() if self._worker is not None else None
+
+    def build_connector_worker_meta(self) -> UCMWorkerMeta | None:
+        measured = self._worker.take_measurements() if self._worker is not None else None
+        return UCMWorkerMeta(*measured) if measured else None
 
     def get_kv_connector_kv_cache_events(self) -> UCMKVEvents | None:
         outcomes = self._worker.events.take() if self._worker is not None else None
@@ -215,7 +253,9 @@ class UCMConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         loads, saves = self._scheduler.build_plans(scheduler_output)
-        return UCMConnectorMetadata(loads=loads, saves=saves)
+        return UCMConnectorMetadata(loads=loads, saves=saves,
+                                    num_tokens=scheduler_output.total_num_scheduled_tokens,
+                                    probes=self._scheduler.take_probes())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.request_finished(request)
@@ -228,6 +268,9 @@ class UCMConnector(KVConnectorBase_V1):
         events = getattr(connector_output, "kv_cache_events", None)
         if isinstance(events, UCMKVEvents):
             self._scheduler.events.report(events)
+        measured = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(measured, UCMWorkerMeta):
+            self._scheduler.observe(measured.reads, measured.steps)
 
     def take_events(self):
         return self._scheduler.events.take() if self._scheduler is not None else ()

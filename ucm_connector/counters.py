@@ -17,6 +17,10 @@ COUNTERS = (
     "skipped_saves",      # already stored, or the writer's backlog was full
     "load_errors",        # blocks that failed to load (missing, corrupt, store down)
     "store_errors",       # store calls that failed
+    # Stored prompt tokens not loaded, by reason (scheduler; loadpolicy.REASONS).
+    "unloaded_hit_tokens_slow_store",   # a tier load_policy auto found slower than recomputing
+    "unloaded_hit_tokens_latency",      # too short a hit to pay for the store's call latency
+    "unloaded_hit_tokens_min_hit_blocks",   # shorter than min_hit_blocks
 )
 
 

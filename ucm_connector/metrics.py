@@ -10,6 +10,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from .counters import COUNTERS, StatsCollector  # noqa: F401  (StatsCollector: re-exported)
+from .loadpolicy import REASONS
 
 class UCMStats(KVConnectorStats):
     def __post_init__(self) -> None:
@@ -38,7 +39,8 @@ class UCMStats(KVConnectorStats):
 
 # -- Prometheus ------------------------------------------------------------------
 
-# (counter name on /metrics without "_total", stats key, unit, help text).
+# (counter name on /metrics without "_total", stats key, unit, help text);
+# a counter with a "reason" label has {reason: stats key} for its key.
 # vLLM's Prometheus client appends "_total" to counters.  docs/metrics.md
 # documents each one (a test keeps the two in step).
 PROM_COUNTERS = (
@@ -64,6 +66,9 @@ PROM_COUNTERS = (
      "Blocks that failed to load (missing, corrupt or store down) and were recomputed."),
     ("vllm:ucm_store_errors", "store_errors", "operations",
      "Store operations that failed (the engine carried on without them)."),
+    ("vllm:ucm_unloaded_hit_tokens", {reason: f"unloaded_hit_tokens_{reason}" for reason in REASONS}, "tokens",
+     "Prompt tokens found in the external store but recomputed instead of loaded, by reason: "
+     "slow_store, latency (load_policy auto), min_hit_blocks."),
 )
 
 
@@ -78,8 +83,15 @@ def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelva
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
             self._counters: dict[str, dict[int, object]] = {}
             for name, key, _unit, doc in PROM_COUNTERS:
-                counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-                self._counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+                if isinstance(key, str):
+                    counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+                    self._counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+                    continue
+                counter = self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "reason"])
+                for reason, reason_key in key.items():
+                    self._counters[reason_key] = {
+                        engine: counter.labels(*values, reason)
+                        for engine, values in per_engine_labelvalues.items()}
 
         def observe(self, transfer_stats_data, engine_idx: int = 0) -> None:
             for key, per_engine in self._counters.items():

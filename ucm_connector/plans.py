@@ -29,3 +29,13 @@ class BlockPlan:
     keys: list[BlockKey]
     loaded_inputs: list[int] = dataclasses.field(default_factory=list)
     overwrite: bool = False
+
+
+@dataclasses.dataclass
+class BlockProbe:
+    """Blocks to read from one tier of the store in the background, for the
+    timing only (``load_policy: auto`` measuring a tier it does not load
+    from): ``keys`` are TP rank 0's, as in ``BlockPlan``."""
+
+    tier: int
+    keys: list[bytes]

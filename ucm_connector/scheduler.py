@@ -6,6 +6,10 @@ stored.  Each step it turns that into a ``UCMConnectorMetadata`` plan for the
 workers: which vLLM blocks to fill from which keys, and which newly full
 blocks to save.  It never touches KV data.
 
+With ``load_policy: auto`` a ``LoadPolicy`` decides how much of a stored
+prefix is worth loading (``loadpolicy.py``), from what the workers measured;
+hit tokens left unloaded are counted by reason, whatever the policy.
+
 A store that fails a lookup only makes the engine hit less: the error is
 counted and logged once, and the request is computed.
 """
@@ -23,7 +27,9 @@ from .adapters import AdapterIdentities
 from .events import EventTracker
 from .hashing import BlockHasher, KeyExtras, MultiModalSpan, RequestKeys, keys_for_rank
 from .counters import StatsCollector
-from .plans import BlockPlan
+from .loadpolicy import MIN_HIT_BLOCKS, LoadDecision, LoadPolicy, ReadSample, StepSample
+from .measure import tiers_of
+from .plans import BlockPlan, BlockProbe
 
 # Under "vllm." so that vLLM's log handlers and format apply.
 logger = logging.getLogger("vllm.ucm_connector.scheduler")
@@ -44,6 +50,10 @@ class _RequestState:
     # Blocks below this index were stored or loaded before a load failure
     # made the request recompute them: their re-saves overwrite.
     overwrite_until: int = 0
+    # ((lookup, blocks local), what to load of it): made once per lookup,
+    # acted on (counted, probes sent) once, when the request is scheduled.
+    decision: tuple[tuple, LoadDecision] | None = None
+    decision_acted: bool = False
 
 
 def _request_extras(request, adapters: AdapterIdentities) -> KeyExtras | None:
@@ -74,7 +84,7 @@ class UCMScheduler:
     def __init__(self, *, store: KVStore, hasher: BlockHasher, block_size: int, tp_size: int,
                  load: bool, save: bool, min_hit_blocks: int, stats: StatsCollector,
                  load_async: bool = False, events: EventTracker | None = None,
-                 adapters: AdapterIdentities | None = None) -> None:
+                 adapters: AdapterIdentities | None = None, policy: LoadPolicy | None = None) -> None:
         self.store = store
         self.hasher = hasher
         self.block_size = block_size
@@ -86,6 +96,9 @@ class UCMScheduler:
         self.load_async = load_async
         self.events = events or EventTracker(enabled=False, tp_size=tp_size, block_size=block_size)
         self.adapters = adapters or AdapterIdentities()
+        self.policy = policy
+        self._tiers = tiers_of(store)
+        self._probes: list[BlockProbe] = []
         self._states: dict[str, _RequestState] = {}
         self._logged_store_error = False
         # Block ids loaded (sync or layerwise) in this step and the one before.
@@ -141,6 +154,53 @@ class UCMScheduler:
             self._store_failed("store lookup", exc)
             return 0
 
+    def _tier_runs(self, keys: list[bytes]) -> list[tuple[int, int]]:
+        """``(tier, num_blocks)`` of a stored prefix, in order: the tier a
+        read of each block comes from (the first that has it).  A block
+        that is also in a faster tier further on is taken as the slower
+        tier's: the estimate errs toward recomputing."""
+        if len(self._tiers) == 1:
+            return [(0, len(keys))]
+        runs: list[tuple[int, int]] = []
+        pos = 0
+        while pos < len(keys):
+            for tier, store in enumerate(self._tiers):
+                try:
+                    advance = store.prefix_len(keys[pos:])
+                except StoreError:
+                    continue
+                if advance:
+                    runs.append((tier, advance))
+                    pos += advance
+                    break
+            else:
+                # Gone since the lookup: whatever is left, from the last tier.
+                runs.append((len(self._tiers) - 1, len(keys) - pos))
+                break
+        return runs
+
+    def _decide(self, state: _RequestState, keys: list[bytes], found: int, num_local_blocks: int) -> LoadDecision:
+        """How many leading blocks the request is to have (made once per
+        lookup: vLLM may ask again while the request waits)."""
+        memo = (state.lookup, num_local_blocks)
+        if state.decision is not None and state.decision[0] == memo:
+            return state.decision[1]
+        if found < self.min_hit_blocks:
+            unloaded = {MIN_HIT_BLOCKS: found - num_local_blocks} if found > num_local_blocks else {}
+            decision = LoadDecision(num_local_blocks, unloaded)
+        elif self.policy is None or found <= num_local_blocks:
+            decision = LoadDecision(max(found, num_local_blocks))
+        else:
+            decision = self.policy.decide(num_local_blocks, self._tier_runs(keys[:found]))
+        state.decision = (memo, decision)
+        state.decision_acted = False
+        return decision
+
+    def observe(self, reads: list[ReadSample], steps: list[StepSample]) -> None:
+        """What the workers measured (``load_policy: auto``)."""
+        if self.policy is not None:
+            self.policy.observe(reads, steps)
+
     # -- vLLM scheduler hooks ----------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -157,10 +217,11 @@ class UCMScheduler:
             found = self._stored_prefix(keys[:max_blocks])
             state.lookup = (max_blocks, preemptions, found)
             self.stats.add(lookup_tokens=max_blocks * self.block_size)
+        decision = self._decide(state, keys, found, num_computed_tokens // self.block_size)
         if found < self.min_hit_blocks:
             found = 0
         state.num_stored_blocks = max(state.num_stored_blocks, found)
-        num_external = found * self.block_size - num_computed_tokens
+        num_external = decision.num_blocks * self.block_size - num_computed_tokens
         if num_external <= 0:
             return 0, False
         state.num_local_tokens = num_computed_tokens
@@ -170,6 +231,8 @@ class UCMScheduler:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         state = self._state(request)
+        if state.decision is not None and not state.decision_acted:
+            self._act(state)
         if num_external_tokens <= 0 or state.keys is None:
             return
         block_ids = list(blocks.get_block_ids()[0])
@@ -178,6 +241,25 @@ class UCMScheduler:
         last = (state.num_local_tokens + num_external_tokens) // self.block_size
         state.pending_load = BlockPlan(request.request_id, block_ids[first:last], state.keys.keys[first:last])
         self.stats.add(hit_tokens=num_external_tokens)
+
+    def _act(self, state: _RequestState) -> None:
+        """The request is scheduled as decided: count what it leaves
+        unloaded, and send its probes."""
+        state.decision_acted = True
+        decision = state.decision[1]
+        unloaded = {f"unloaded_hit_tokens_{reason}": n * self.block_size
+                    for reason, n in decision.unloaded.items() if n > 0}
+        if unloaded:
+            self.stats.add(**unloaded)
+        if self.policy is not None:
+            keys = state.keys.keys if state.keys is not None else []
+            self._probes += [BlockProbe(p.tier, keys[p.first:p.first + p.num_blocks])
+                             for p in decision.probes if keys[p.first:p.first + p.num_blocks]]
+            self.policy.scheduled(decision)
+
+    def take_probes(self) -> list[BlockProbe]:
+        probes, self._probes = self._probes, []
+        return probes
 
     def build_plans(self, scheduler_output) -> tuple[list[BlockPlan], list[BlockPlan]]:
         for new in scheduler_output.scheduled_new_reqs:

@@ -20,7 +20,11 @@
   background writer, which puts the rows themselves, so the engine never
   waits on the store's I/O.  Blocks the store has are skipped; a full
   backlog skips saves rather than wait; KV computed on a page whose load
-  failed is never saved.
+  failed is never saved;
+* with ``load_policy: auto``, measurements for the scheduler's decision
+  (``measure.py``): every store read timed per tier, every step's forward
+  pass timed, and ``Prober``, which reads a few blocks of a tier the
+  scheduler does not load from on a thread of its own, for the timing only.
 
 Every way of loading answers the same questions (start, wait for a layer,
 this step's failures, what finished, the errors to report), so the worker
@@ -44,8 +48,9 @@ from . import blockfmt
 from .config import LoadMode
 from .counters import StatsCollector
 from .hashing import keys_for_rank
+from .measure import LoadObserver, StepClock, observe_reads, tiers_of
 from .outcomes import NOT_STORED, PRESENT, REMOVED, WRITTEN, OutcomeLog
-from .plans import BlockPlan
+from .plans import BlockPlan, BlockProbe
 from .transfer import BlockTransfer, HostRows, RowPool, Transfer
 
 # Under "vllm." so that vLLM's log handlers and format apply.
@@ -565,6 +570,51 @@ class Saves:
         self._writer.join(timeout=60)
 
 
+# -- probes ---------------------------------------------------------------------
+
+
+class Prober:
+    """Reads a few blocks of one tier into scratch buffers, on a thread of
+    its own, so that the reads are timed (the store given is the timed one):
+    how ``load_policy: auto`` keeps measuring a tier it does not load from.
+    Nothing read is checked or copied anywhere; at most one probe per tier
+    waits or runs, further ones are dropped."""
+
+    def __init__(self, store: KVStore, block_nbytes: int, tp_rank: int) -> None:
+        self.tiers = tiers_of(store)
+        self.block_nbytes = block_nbytes
+        self.tp_rank = tp_rank
+        self._buffers: list[bytearray] = []
+        self._lock = threading.Lock()
+        self._busy: set[int] = set()
+        self._thread = _LoaderThread(self._run)
+
+    def probe(self, probes: list[BlockProbe]) -> None:
+        for probe in probes:
+            if not probe.keys or not 0 <= probe.tier < len(self.tiers):
+                continue
+            with self._lock:
+                if probe.tier in self._busy:
+                    continue
+                self._busy.add(probe.tier)
+            self._thread.put(probe)
+
+    def _run(self, probe: BlockProbe) -> None:
+        keys = keys_for_rank(probe.keys, self.tp_rank)
+        while len(self._buffers) < len(keys):
+            self._buffers.append(bytearray(self.block_nbytes))
+        try:
+            self.tiers[probe.tier].get_into(keys, [memoryview(b) for b in self._buffers[:len(keys)]])
+        except StoreError:
+            pass   # a store that fails is the loads' business; a probe only times
+        finally:
+            with self._lock:
+                self._busy.discard(probe.tier)
+
+    def close(self) -> None:
+        self._thread.close()
+
+
 # -- the worker -------------------------------------------------------------------
 
 
@@ -574,7 +624,8 @@ class UCMWorker:
     def __init__(self, *, store: KVStore, namespace_digest: bytes, tp_rank: int, num_blocks: int,
                  max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0,
                  load_mode: LoadMode | str = LoadMode.SYNC, events: OutcomeLog | None = None,
-                 share_failures: Callable[[set[int]], set[int]] | None = None) -> None:
+                 share_failures: Callable[[set[int]], set[int]] | None = None,
+                 observer: LoadObserver | None = None) -> None:
         self.store = store
         self.namespace_digest = namespace_digest
         self.tp_rank = tp_rank
@@ -590,6 +641,10 @@ class UCMWorker:
         self.loads: SyncLoads | AsyncLoads | LayerLoads | None = None
         self.saves: Saves | None = None
         self._layer_index: dict[str, int] = {}
+        # load_policy auto: what the scheduler's decision is made of.
+        self.observer = observer
+        self.clock: StepClock | None = None
+        self.prober: Prober | None = None
 
     def register_kv_caches(self, kv_caches) -> None:
         self.transfer = BlockTransfer(kv_caches, self.num_blocks)
@@ -607,21 +662,52 @@ class UCMWorker:
                                                 load_rows * self.block_nbytes)
         self.save_pool = self.transfer.row_pool(self.block_nbytes, blockfmt.HEADER_NBYTES,
                                                 self.max_pending_nbytes, prefault=self.transfer.on_cuda)
-        self.loads = _LOADS[self.load_mode](BlockReader(**parts, pool=self.load_pool))
+        reader = dict(parts)
+        if self.observer is not None:
+            reader["store"] = observe_reads(self.store, self.observer)
+            self.clock = StepClock(self.observer, on_cuda=self.transfer.on_cuda)
+            self.prober = Prober(reader["store"], self.block_nbytes, self.tp_rank)
+        self.loads = _LOADS[self.load_mode](BlockReader(**reader, pool=self.load_pool))
         self.saves = Saves(**parts, pool=self.save_pool, share_failures=self._share_failures)
         logger.info("ucm-connector: %d layers registered, %d bytes of KV per block and rank",
                     self.transfer.num_layers, self.payload_nbytes)
 
     # -- the hooks, in the order vLLM calls them in a step ------------------------
 
+    def begin_step(self, num_tokens: int, plans: list[BlockPlan], probes: list[BlockProbe]) -> None:
+        """A step's plan is bound: its forward pass is about to run."""
+        if self.clock is not None:
+            loads_first = bool(plans) and self.load_mode is not LoadMode.ASYNC
+            self.clock.begin(num_tokens, loads_first=loads_first)
+        if probes and self.prober is not None:
+            self.prober.probe(probes)
+
     def load(self, plans: list[BlockPlan]) -> None:
         """``start_load_kv``: start (sync: do) this step's loads."""
         if plans and self.loads is not None:
-            self.loads.start(plans)
+            if self.clock is None:
+                self.loads.start(plans)
+                return
+            with self.clock.excluded():
+                self.loads.start(plans)
+            self.clock.loads_done()
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self.loads is not None:
-            self.loads.wait_for_layer(self._layer_index.get(layer_name, 0))
+            if self.clock is None:
+                self.loads.wait_for_layer(self._layer_index.get(layer_name, 0))
+                return
+            with self.clock.excluded():
+                self.loads.wait_for_layer(self._layer_index.get(layer_name, 0))
+
+    def end_step(self) -> None:
+        """``wait_for_save``: the step's forward pass is done."""
+        if self.clock is not None:
+            self.clock.end()
+
+    def take_measurements(self):
+        """``(reads, steps)`` measured since the last call, or None."""
+        return self.observer.take() if self.observer is not None else None
 
     def save(self, plans: list[BlockPlan]) -> None:
         """``wait_for_save``: this step's saves.  Called every step, with or
@@ -651,6 +737,8 @@ class UCMWorker:
             self.saves.close()
         if self.loads is not None:
             self.loads.close()
+        if self.prober is not None:
+            self.prober.close()
         if self.transfer is not None:
             self.save_pool.close()
             self.load_pool.close()
