@@ -120,3 +120,15 @@ def test_a_yaml_error_quoting_a_store_url_does_not_show_its_password(tmp_path):
     message = str(info.value)
     assert "not valid YAML" in message and "line 2" in message and "127.0.0.1:1/0" in message
     assert "s3cret" not in message
+
+
+def test_every_option_is_a_config_field_with_the_tables_default():
+    import dataclasses
+
+    from ucm_connector.config import OPTIONS, UCMConfig
+
+    fields = {f.name: f for f in dataclasses.fields(UCMConfig)}
+    assert set(fields) == {o.name for o in OPTIONS}
+    for option in OPTIONS:
+        if option.name != "store":   # required; its default is resolved at parse time
+            assert fields[option.name].default == option.default, option.name

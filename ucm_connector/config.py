@@ -154,17 +154,25 @@ OPTIONS: tuple[Option, ...] = (
 _BY_NAME = {o.name: o for o in OPTIONS}
 
 
+def _default(name: str):
+    """An option's default, from ``OPTIONS``: the one place defaults live."""
+    return _BY_NAME[name].default
+
+
 @dataclasses.dataclass(frozen=True)
 class UCMConfig:
+    """The validated options (``from_extra_config``); field defaults come
+    from ``OPTIONS``, and a test keeps the fields and the table in step."""
+
     store: str | tuple[str, ...]
-    config_file: str | None = None
-    sparse: dict | None = None
-    tier_write_mode: str = "async"
-    max_pending_save_mib: int = 1024
-    min_hit_blocks: int = 1
-    load_kv_async: bool = False
-    load_layerwise: bool = False
-    load_policy: str = "auto"
+    config_file: str | None = _default("config_file")
+    sparse: dict | None = _default("sparse")
+    tier_write_mode: str = _default("tier_write_mode")
+    max_pending_save_mib: int = _default("max_pending_save_mib")
+    min_hit_blocks: int = _default("min_hit_blocks")
+    load_kv_async: bool = _default("load_kv_async")
+    load_layerwise: bool = _default("load_layerwise")
+    load_policy: str = _default("load_policy")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "UCMConfig":

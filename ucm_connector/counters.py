@@ -7,22 +7,59 @@ Prometheus counters.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
-COUNTERS = (
-    "lookup_tokens",      # prompt tokens looked up in the store (scheduler)
-    "hit_tokens",         # tokens the store supplied (scheduler)
-    "loaded_blocks", "loaded_bytes", "load_seconds",
-    "saved_blocks", "saved_bytes", "save_seconds",
-    "skipped_saves",      # already stored, or the writer's backlog was full
-    "load_errors",        # blocks that failed to load (missing, corrupt, store down)
-    "store_errors",       # store calls that failed
-    # Stored prompt tokens not loaded, by reason (scheduler; loadpolicy.REASONS).
-    "unloaded_hit_tokens_slow_store",   # a tier load_policy auto found slower than recomputing
-    "unloaded_hit_tokens_latency",      # too short a hit to pay for the store's call latency
-    "unloaded_hit_tokens_min_hit_blocks",   # shorter than min_hit_blocks
+from .loadpolicy import REASONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Counter:
+    """One counter: the key workers and the scheduler add to, and how it
+    shows on vLLM's ``/metrics`` (name without vLLM's ``_total``, unit, help).
+    Counters that share a metric tell apart by its ``reason`` label."""
+
+    key: str
+    metric: str
+    unit: str
+    help: str
+    reason: str | None = None
+
+
+_UNLOADED_HELP = ("Prompt tokens found in the external store but recomputed instead of loaded, by reason: "
+                  "slow_store, latency (load_policy auto), min_hit_blocks.")
+
+#: The one table of counters: what is counted, and how it is shown.
+#: docs/metrics.md documents each metric (a test keeps the two in step).
+TABLE: tuple[Counter, ...] = (
+    Counter("lookup_tokens", "vllm:ucm_lookup_tokens", "tokens",
+            "Prompt tokens (whole blocks) looked up in the external store."),
+    Counter("hit_tokens", "vllm:ucm_hit_tokens", "tokens",
+            "Prompt tokens whose KV the external store supplied instead of a prefill."),
+    Counter("loaded_blocks", "vllm:ucm_loaded_blocks", "blocks",
+            "Blocks loaded from the external store into the KV cache (summed over TP ranks)."),
+    Counter("loaded_bytes", "vllm:ucm_loaded_bytes", "bytes",
+            "Bytes of KV loaded from the external store (summed over TP ranks)."),
+    Counter("load_seconds", "vllm:ucm_load_seconds", "seconds",
+            "Time spent loading blocks: store reads, checks and copies into the cache."),
+    Counter("saved_blocks", "vllm:ucm_saved_blocks", "blocks",
+            "Blocks written to the external store (summed over TP ranks)."),
+    Counter("saved_bytes", "vllm:ucm_saved_bytes", "bytes",
+            "Bytes of KV written to the external store (summed over TP ranks)."),
+    Counter("save_seconds", "vllm:ucm_save_seconds", "seconds",
+            "Time spent saving blocks: copies out of the cache and store writes."),
+    Counter("skipped_saves", "vllm:ucm_skipped_saves", "blocks",
+            "Blocks not saved: already stored, the writer's backlog was full, or the store refused them."),
+    Counter("load_errors", "vllm:ucm_load_errors", "blocks",
+            "Blocks that failed to load (missing, corrupt or store down) and were recomputed."),
+    Counter("store_errors", "vllm:ucm_store_errors", "operations",
+            "Store operations that failed (the engine carried on without them)."),
+    *(Counter(f"unloaded_hit_tokens_{reason}", "vllm:ucm_unloaded_hit_tokens", "tokens", _UNLOADED_HELP,
+              reason=reason) for reason in REASONS),
 )
 
+#: The keys, in table order.
+COUNTERS = tuple(c.key for c in TABLE)
 
 
 class StatsCollector:

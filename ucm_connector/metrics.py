@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .counters import COUNTERS, StatsCollector  # noqa: F401  (StatsCollector: re-exported)
-from .loadpolicy import REASONS
+from .counters import COUNTERS, TABLE, StatsCollector  # noqa: F401  (StatsCollector: re-exported)
 
 class UCMStats(KVConnectorStats):
     def __post_init__(self) -> None:
@@ -39,37 +38,19 @@ class UCMStats(KVConnectorStats):
 
 # -- Prometheus ------------------------------------------------------------------
 
-# (counter name on /metrics without "_total", stats key, unit, help text);
-# a counter with a "reason" label has {reason: stats key} for its key.
-# vLLM's Prometheus client appends "_total" to counters.  docs/metrics.md
-# documents each one (a test keeps the two in step).
-PROM_COUNTERS = (
-    ("vllm:ucm_lookup_tokens", "lookup_tokens", "tokens",
-     "Prompt tokens (whole blocks) looked up in the external store."),
-    ("vllm:ucm_hit_tokens", "hit_tokens", "tokens",
-     "Prompt tokens whose KV the external store supplied instead of a prefill."),
-    ("vllm:ucm_loaded_blocks", "loaded_blocks", "blocks",
-     "Blocks loaded from the external store into the KV cache (summed over TP ranks)."),
-    ("vllm:ucm_loaded_bytes", "loaded_bytes", "bytes",
-     "Bytes of KV loaded from the external store (summed over TP ranks)."),
-    ("vllm:ucm_load_seconds", "load_seconds", "seconds",
-     "Time spent loading blocks: store reads, checks and copies into the cache."),
-    ("vllm:ucm_saved_blocks", "saved_blocks", "blocks",
-     "Blocks written to the external store (summed over TP ranks)."),
-    ("vllm:ucm_saved_bytes", "saved_bytes", "bytes",
-     "Bytes of KV written to the external store (summed over TP ranks)."),
-    ("vllm:ucm_save_seconds", "save_seconds", "seconds",
-     "Time spent saving blocks: copies out of the cache and store writes."),
-    ("vllm:ucm_skipped_saves", "skipped_saves", "blocks",
-     "Blocks not saved: already stored, the writer's backlog was full, or the store refused them."),
-    ("vllm:ucm_load_errors", "load_errors", "blocks",
-     "Blocks that failed to load (missing, corrupt or store down) and were recomputed."),
-    ("vllm:ucm_store_errors", "store_errors", "operations",
-     "Store operations that failed (the engine carried on without them)."),
-    ("vllm:ucm_unloaded_hit_tokens", {reason: f"unloaded_hit_tokens_{reason}" for reason in REASONS}, "tokens",
-     "Prompt tokens found in the external store but recomputed instead of loaded, by reason: "
-     "slow_store, latency (load_policy auto), min_hit_blocks."),
-)
+def _prom_counters() -> tuple:
+    """``counters.TABLE`` as (metric, key or {reason: key}, unit, help), one
+    entry per metric: what ``build_prom_metrics`` registers."""
+    out: dict[str, list] = {}
+    for c in TABLE:
+        if c.reason is None:
+            out[c.metric] = [c.metric, c.key, c.unit, c.help]
+        else:
+            out.setdefault(c.metric, [c.metric, {}, c.unit, c.help])[1][c.reason] = c.key
+    return tuple(tuple(v) for v in out.values())
+
+
+PROM_COUNTERS = _prom_counters()
 
 
 def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues):
