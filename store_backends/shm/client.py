@@ -68,7 +68,7 @@ from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, Store
                     byte_view)
 from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_url
 from . import admin
-from .paths import Paths, ShmServerNotRunning, UnsafeRuntimeDir, name_arg, valid_name
+from .paths import Paths, ShmServerNotRunning, UnsafeRuntimeDir, lock_until, name_arg, valid_name
 from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EXIT_ALREADY_RUNNING, PROTOCOL_VERSION,
                        REPLY, REQUEST, Alloc, Flag, Op, Status, pack_keys, unpack_keys)
 
@@ -499,8 +499,6 @@ class ShmStore(KVStore):
         operation's ``deadline``; when opening (``None``), as long as
         reserving the memory may take.  A server still starting when the
         deadline passes goes on starting, and a later call finds it."""
-        import fcntl
-
         if not self._starts_server:  # the one guard: an inspecting client starts nothing
             raise self._not_running(deadline is None)
         try:
@@ -512,16 +510,10 @@ class ShmStore(KVStore):
             deadline = time.monotonic() + _START_TIMEOUT_S + 5.0 * self.capacity_nbytes / (1 << 30)
         fd = os.open(self.paths.start_lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise StoreUnavailableError(
-                            f"store '{self.url}' unavailable: another process is starting the shm server "
-                            f"and has not finished in time ({self.paths.start_lock})")
-                    time.sleep(0.01)
+            if not lock_until(fd, deadline):
+                raise StoreUnavailableError(
+                    f"store '{self.url}' unavailable: another process is starting the shm server "
+                    f"and has not finished in time ({self.paths.start_lock})")
             if self.paths.server_running():
                 return  # started by whoever held the lock before us
             cmd = [sys.executable, "-m", "store_backends.shm_server", "serve",

@@ -29,7 +29,6 @@ import argparse
 import array
 import collections
 import errno
-import fcntl
 import json
 import os
 import secrets
@@ -42,11 +41,14 @@ import numpy as np
 import zmq
 
 from ..process import pid_alive
-from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, valid_name
+from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, lock_until, valid_name
 from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EPOCH_FREE_OPS, EXIT_ALREADY_RUNNING,
                        PROTOCOL_VERSION, REPLY, REQUEST, Alloc, Flag, Op, Status, pack_keys, unpack_keys)
 
 SWEEP_INTERVAL_S = 0.5
+# How long a starting server waits for the PID lock: a client probing
+# liveness holds it shared for an instant; a live server holds it for good.
+_PID_LOCK_WAIT_S = 2.0
 
 
 # ---------------------------------------------------------------- the server
@@ -115,18 +117,9 @@ class IndexServer:
     def acquire_pid_lock(self) -> bool:
         self.paths.ensure_rundir()
         fd = os.open(self.paths.pid_lock, os.O_RDWR | os.O_CREAT, 0o600)
-        deadline = time.monotonic() + 2.0
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                # A client probing liveness holds it shared for an instant;
-                # a live server holds it for good.
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    return False
-                time.sleep(0.01)
+        if not lock_until(fd, time.monotonic() + _PID_LOCK_WAIT_S):
+            os.close(fd)
+            return False
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.pid_fd = fd
