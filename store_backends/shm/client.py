@@ -67,8 +67,18 @@ from .paths import Paths, name_arg, valid_name
 from .protocol import DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, Alloc, Flag, Op, Status, pack_keys, unpack_keys
 from .segments import Segments
 
-_OPTIONS = {"capacity", "chunk", "server", "idle_timeout", "lease_timeout", "timeout", "overwrite",
-            "prefault", "runtime_dir"}
+# URL option -> (keyword of ShmStore, how its text is read).
+_OPTIONS = {
+    "capacity": ("capacity_nbytes", parse_size),
+    "chunk": ("chunk_nbytes", parse_size),
+    "server": ("server", lambda text, *, url, name: text.strip().lower()),
+    "idle_timeout": ("idle_timeout_s", parse_seconds),
+    "lease_timeout": ("lease_timeout_s", parse_seconds),
+    "timeout": ("timeout_s", parse_seconds),
+    "overwrite": ("overwrite", parse_bool),
+    "prefault": ("prefault", parse_bool),
+    "runtime_dir": ("runtime_dir", lambda text, *, url, name: text),
+}
 # Plain ints for the per-key loops of put (an enum member compares slower).
 _ALLOC_NEW = int(Alloc.NEW)
 _ALLOC_PRESENT = int(Alloc.PRESENT)
@@ -160,26 +170,11 @@ class ShmStore(KVStore):
         if parts.path not in ("", "/") or not name:
             raise StoreOpenError(f"store '{masked}': write it as shm://NAME?capacity=4GiB (NAME: letters, "
                                  f"digits, '-', '_', '.')")
-        opts = query_options(url, _OPTIONS)
+        opts = query_options(url, set(_OPTIONS))
         kwargs: dict[str, object] = {}
-        if "capacity" in opts:
-            kwargs["capacity_nbytes"] = parse_size(opts["capacity"], url=url, name="capacity")
-        if "chunk" in opts:
-            kwargs["chunk_nbytes"] = parse_size(opts["chunk"], url=url, name="chunk")
-        if "server" in opts:
-            kwargs["server"] = opts["server"].strip().lower()
-        if "idle_timeout" in opts:
-            kwargs["idle_timeout_s"] = parse_seconds(opts["idle_timeout"], url=url, name="idle_timeout")
-        if "lease_timeout" in opts:
-            kwargs["lease_timeout_s"] = parse_seconds(opts["lease_timeout"], url=url, name="lease_timeout")
-        if "timeout" in opts:
-            kwargs["timeout_s"] = parse_seconds(opts["timeout"], url=url, name="timeout")
-        if "overwrite" in opts:
-            kwargs["overwrite"] = parse_bool(opts["overwrite"], url=url, name="overwrite")
-        if "prefault" in opts:
-            kwargs["prefault"] = parse_bool(opts["prefault"], url=url, name="prefault")
-        if "runtime_dir" in opts:
-            kwargs["runtime_dir"] = opts["runtime_dir"]
+        for option, (keyword, parse) in _OPTIONS.items():
+            if option in opts:
+                kwargs[keyword] = parse(opts[option], url=url, name=option)
         return cls(name, url=url, open_mode=mode, **kwargs)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ requests
