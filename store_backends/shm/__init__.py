@@ -7,10 +7,15 @@ One index server per NAME and host owns the index; the values live in a
   header structs, how keys are framed);
 * ``paths``: where a store's files live, valid NAMEs, the runtime directory
   check, and whether a server runs (its PID lock);
+* ``index``: the server's state (the LRU index, free chunks, leases) and
+  the ops that read and change it;
 * ``server``: the index server process and its command line
   (``python -m store_backends.shm_server serve|status|stop NAME``);
 * ``client``: ``ShmStore``, the KVStore that engines and operators open
-  through ``open_store("shm://NAME...")``;
+  through ``open_store("shm://NAME...")``: the store's operations;
+* ``connection``: a client's sockets, deadlines and reconnects;
+* ``launch``: a client starting a server;
+* ``segments``: a client mapping a server's segments, with the checks;
 * ``admin``: the public admin API for operators: ``list_servers``,
   ``server_running``, ``server_status`` (a ``ServerStatus``),
   ``stop_server``, ``check_runtime_dir``, ``valid_name``.

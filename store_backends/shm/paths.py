@@ -2,9 +2,11 @@
 
 Owns the names on the file system (segments under /dev/shm, the control
 socket and lock files in the runtime directory), the rule for a valid NAME,
-the safety check of the runtime directory, and the one liveness test: a live
-server holds ``NAME.pid`` locked for its whole life.  Must not talk to a
-server, map a segment, or start a process.
+the safety check of the runtime directory, the one liveness test (a live
+server holds ``NAME.pid`` locked for its whole life), and taking one of the
+lock files with a deadline (``lock_until``, for the server's PID lock and a
+starter's start lock).  Must not talk to a server, map a segment, or start
+a process.
 
 Files, for a store NAME:
 
@@ -31,13 +33,13 @@ import os
 import re
 import shlex
 import stat
+import time
 
 from ..base import StoreError, StoreOpenError
 
 SEGMENT_DIR = "/dev/shm"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
-
-
+_LOCK_RETRY_S = 0.01
 
 
 # ---------------------------------------------------------------- naming
@@ -177,3 +179,23 @@ class Paths:
         except OSError:
             return []
         return [os.path.join(SEGMENT_DIR, n) for n in names if pattern.match(n)]
+
+
+def lock_until(fd: int, deadline: float) -> bool:
+    """Take the exclusive flock of the open lock file ``fd``, retrying while
+    another process holds it until ``deadline`` (monotonic seconds).  False
+    when it is still held then; the caller closes ``fd`` either way when it
+    is done (closing releases the lock).
+
+    Polls rather than blocks: a blocking flock cannot be given a deadline,
+    and both holders this waits on let go soon (a client probing liveness
+    holds the PID lock shared for an instant; a starter holds the start lock
+    until its server is ready)."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_LOCK_RETRY_S)

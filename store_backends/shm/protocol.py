@@ -13,9 +13,10 @@ u32, epoch u64, arg i64; then, for ops that take keys, the keys as one frame
 (concatenated) and, when key_len is 0 (keys of different lengths), a frame of
 u32 key lengths; ALLOC adds a frame of i64 value sizes.  A reply is frame 0
 ``REPLY`` = status u8, 3 pad bytes, request_id u32, epoch u64, then the op's
-result frames (see the server's ``_op_*`` methods).  A request whose epoch is
-not the server's is answered ``Status.STALE`` so the client remaps before it
-uses any chunk number.
+result frames (see the ``op_*`` methods of ``index.ChunkIndex`` and the
+server's own ``_op_*``).  A request whose epoch is not the server's is
+answered ``Status.STALE`` so the client remaps before it uses any chunk
+number.
 """
 
 from __future__ import annotations

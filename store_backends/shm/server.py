@@ -1,13 +1,13 @@
 """The index server of an ``shm://NAME`` store: one process per NAME and host.
 
-Owns the index and the chunks: the values live in a shared-memory data
-segment that every client maps, and the server never touches them.  It hands
-out chunks of the data segment, keeps the LRU index ``key -> chunks + size``,
-and bumps a per-chunk generation counter (in a small second segment that
-clients map read-only) whenever it frees a chunk.  A reader copies a value
-and then re-reads the generation of the value's first chunk: if it changed,
-the value may have been overwritten during the copy and the read is a miss.
-Readers therefore pin nothing, and a reader that dies leaves nothing behind.
+The values live in a shared-memory data segment that every client maps, and
+the server never touches them.  It keeps the LRU index ``key -> chunks +
+size`` (``index.ChunkIndex``: the state and the ops on it) and bumps a
+per-chunk generation counter (in a small second segment that clients map
+read-only) whenever it frees a chunk.  A reader copies a value and then
+re-reads the generation of the value's first chunk: if it changed, the value
+may have been overwritten during the copy and the read is a miss.  Readers
+therefore pin nothing, and a reader that dies leaves nothing behind.
 
 Writers allocate chunks under a lease (one request), copy their values in,
 and commit (a second request); a value becomes visible only at commit.  The
@@ -16,68 +16,48 @@ lease that is merely old is reclaimed only after ``lease_timeout``, because
 reclaiming chunks that a live, slow writer is still filling would corrupt
 their next owner.
 
-Also owns the server's command line, ``python -m store_backends.shm_server
-serve|stop|status NAME`` (``main``), and detaching a started server.  Must
-not be imported by engines or operators for anything but starting a server:
-the wire format is ``protocol``'s, file names are ``paths``', and asking a
+This module owns the server process: its PID lock, creating and removing
+the segments, the control socket, the request loop (dispatch, stale epochs,
+the sweep, the idle exit), signals, detaching a started server, and its
+command line, ``python -m store_backends.shm_server serve|stop|status NAME``
+(``main``).  Must not keep the index itself (``index``), and must not be
+imported by engines or operators for anything but starting a server: the
+wire format is ``protocol``'s, file names are ``paths``', and asking a
 running server anything is ``admin``'s or the client's.
 """
 
 from __future__ import annotations
 
 import argparse
-import array
-import collections
 import errno
-import fcntl
 import json
+import mmap
 import os
 import secrets
 import signal
-import struct
 import sys
 import time
 
 import numpy as np
 import zmq
 
-from ..process import pid_alive
-from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, valid_name
+from .index import ChunkIndex, Entry, Lease
+from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, lock_until, valid_name
 from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EPOCH_FREE_OPS, EXIT_ALREADY_RUNNING,
-                       PROTOCOL_VERSION, REPLY, REQUEST, Alloc, Flag, Op, Status, pack_keys, unpack_keys)
+                       PROTOCOL_VERSION, REPLY, REQUEST, Op, Status)
+
+__all__ = ["ChunkIndex", "Entry", "IndexServer", "Lease", "SWEEP_INTERVAL_S", "main"]
 
 SWEEP_INTERVAL_S = 0.5
-
-
-# ---------------------------------------------------------------- the server
-
-class Entry:
-    """A committed value: ``runs`` is (start, count) int32 pairs as bytes."""
-
-    __slots__ = ("size", "runs", "nruns", "nchunks", "first", "gen")
-
-    def __init__(self, size: int, runs: bytes, nruns: int, nchunks: int, first: int, gen: int) -> None:
-        self.size = size
-        self.runs = runs
-        self.nruns = nruns
-        self.nchunks = nchunks
-        self.first = first
-        self.gen = gen
-
-
-class Lease:
-    """Chunks handed to one writer and not yet committed."""
-
-    __slots__ = ("pid", "created", "overwrite", "items")
-
-    def __init__(self, pid: int, overwrite: bool) -> None:
-        self.pid = pid
-        self.created = time.monotonic()
-        self.overwrite = overwrite
-        self.items: list[tuple[bytes, Entry, list[tuple[int, int]]]] = []
+# How long a starting server waits for the PID lock: a client probing
+# liveness holds it shared for an instant; a live server holds it for good.
+_PID_LOCK_WAIT_S = 2.0
 
 
 class IndexServer:
+    """The server of store NAME: serves ``ChunkIndex`` over the control
+    socket, within one epoch of segments."""
+
     def __init__(self, name: str, *, capacity_nbytes: int, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  idle_timeout_s: float | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  prefault: bool = True, rundir: str | None = None) -> None:
@@ -96,17 +76,9 @@ class IndexServer:
         self.lease_timeout_s = lease_timeout_s
         self.prefault = prefault
         self.epoch = int.from_bytes(secrets.token_bytes(8), "little") or 1
-        self.index: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
-        self.free: collections.deque[tuple[int, int]] = collections.deque([(0, num_chunks)])
-        self.free_chunks = num_chunks
-        self.leased_chunks = 0
-        self.leases: dict[int, Lease] = {}
-        self.next_lease = 1
-        self.nbytes = 0
-        self.counters = collections.Counter()
+        self.chunks = ChunkIndex(num_chunks, chunk_nbytes, lease_timeout_s)
         self.stopping = False
         self.pid_fd = -1
-        self.gen: np.ndarray | None = None
         self._gen_mm = None
         self.started = time.time()
 
@@ -115,26 +87,15 @@ class IndexServer:
     def acquire_pid_lock(self) -> bool:
         self.paths.ensure_rundir()
         fd = os.open(self.paths.pid_lock, os.O_RDWR | os.O_CREAT, 0o600)
-        deadline = time.monotonic() + 2.0
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                # A client probing liveness holds it shared for an instant;
-                # a live server holds it for good.
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    return False
-                time.sleep(0.01)
+        if not lock_until(fd, time.monotonic() + _PID_LOCK_WAIT_S):
+            os.close(fd)
+            return False
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.pid_fd = fd
         return True
 
     def create_segments(self) -> None:
-        import mmap
-
         # The PID lock proves no other server of this NAME is alive, so any
         # segment of this NAME is a dead server's leftover.
         for path in self.paths.leftover_segments():
@@ -166,7 +127,7 @@ class IndexServer:
             self._gen_mm = mmap.mmap(fd, gen_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self.gen = np.frombuffer(self._gen_mm, dtype=np.uint64)
+        self.chunks.gen = np.frombuffer(self._gen_mm, dtype=np.uint64)
         self.data_path = data_path
         self.gen_path = gen_path
 
@@ -217,11 +178,12 @@ class IndexServer:
 
     def _loop(self, sock) -> None:
         last_request = last_sweep = time.monotonic()
+        chunks = self.chunks
         handlers = {
-            Op.HELLO: self._op_hello, Op.CONTAINS: self._op_contains, Op.PREFIX: self._op_prefix,
-            Op.GET: self._op_get, Op.ALLOC: self._op_alloc, Op.COMMIT: self._op_commit,
-            Op.ABORT: self._op_abort, Op.DELETE: self._op_delete, Op.STATS: self._op_stats,
-            Op.CLEAR: self._op_clear, Op.SHUTDOWN: self._op_shutdown, Op.KEYS: self._op_keys,
+            Op.HELLO: self._op_hello, Op.CONTAINS: chunks.op_contains, Op.PREFIX: chunks.op_prefix,
+            Op.GET: chunks.op_get, Op.ALLOC: chunks.op_alloc, Op.COMMIT: chunks.op_commit,
+            Op.ABORT: chunks.op_abort, Op.DELETE: chunks.op_delete, Op.STATS: self._op_stats,
+            Op.CLEAR: chunks.op_clear, Op.SHUTDOWN: self._op_shutdown, Op.KEYS: chunks.op_keys,
         }
         while not self.stopping:
             try:
@@ -240,10 +202,10 @@ class IndexServer:
                 last_request = time.monotonic()
             now = time.monotonic()
             if now - last_sweep >= SWEEP_INTERVAL_S:
-                self._sweep(now)
+                chunks.sweep(now)
                 last_sweep = now
             if (self.idle_timeout_s is not None and now - last_request > self.idle_timeout_s
-                    and not self.leases):
+                    and not chunks.leases):
                 break
 
     def _handle(self, sock, handlers, msg: list) -> None:
@@ -264,75 +226,7 @@ class IndexServer:
             status, frames = Status.ERROR, [f"{type(exc).__name__}: {exc}".encode()]
         sock.send_multipart([ident, REPLY.pack(status, rid, self.epoch), *frames])
 
-    # -- chunk bookkeeping
-
-    def _free_runs(self, runs: list[tuple[int, int]] | bytes) -> None:
-        if isinstance(runs, bytes):
-            flat = array.array("i", runs)
-            runs = list(zip(flat[0::2], flat[1::2]))
-        gen = self.gen
-        for start, count in runs:
-            # Bump before the chunks can be handed out again, so a reader
-            # that copied from them sees the change when it re-checks.
-            gen[start:start + count] += 1
-            self.free_chunks += count
-            if self.free:
-                s, c = self.free[-1]
-                if s + c == start:
-                    self.free[-1] = (s, c + count)
-                    continue
-            self.free.append((start, count))
-
-    def _evict_oldest(self) -> None:
-        key, entry = self.index.popitem(last=False)
-        self._drop(entry)
-        self.counters["evictions"] += 1
-
-    def _drop(self, entry: Entry) -> None:
-        self.nbytes -= entry.size
-        if entry.nchunks:
-            self._free_runs(entry.runs)
-
-    def _allocate(self, nchunks: int) -> list[tuple[int, int]] | None:
-        if nchunks > self.num_chunks - self.leased_chunks:
-            return None
-        while self.free_chunks < nchunks and self.index:
-            self._evict_oldest()
-        if self.free_chunks < nchunks:
-            return None
-        runs: list[tuple[int, int]] = []
-        need = nchunks
-        free = self.free
-        while need:
-            start, count = free[0]
-            if count <= need:
-                free.popleft()
-                take = count
-            else:
-                free[0] = (start + need, count - need)
-                take = need
-            if runs and runs[-1][0] + runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], runs[-1][1] + take)
-            else:
-                runs.append((start, take))
-            need -= take
-        self.free_chunks -= nchunks
-        return runs
-
-    def _release_lease(self, lease: Lease) -> None:
-        for _key, entry, runs in lease.items:
-            if entry.nchunks:
-                self.leased_chunks -= entry.nchunks
-                self._free_runs(runs)
-
-    def _sweep(self, now: float) -> None:
-        for lease_id, lease in list(self.leases.items()):
-            if not pid_alive(lease.pid) or now - lease.created > self.lease_timeout_s:
-                del self.leases[lease_id]
-                self._release_lease(lease)
-                self.counters["leases_reclaimed"] += 1
-
-    # -- ops
+    # -- the ops that are the server's, not the index's
 
     def _info(self) -> dict:
         return {
@@ -346,151 +240,13 @@ class IndexServer:
 
     def _op_stats(self, flags, key_len, arg, frames):
         info = self._info()
+        info.update(self.chunks.figures())
         info.update({
-            "num_blocks": len(self.index), "nbytes": self.nbytes,
-            "capacity_nbytes": self.num_chunks * self.chunk_nbytes,
-            "free_chunks": self.free_chunks, "leased_chunks": self.leased_chunks,
-            "used_chunks": self.num_chunks - self.free_chunks - self.leased_chunks,
-            "num_leases": len(self.leases), "uptime_s": time.time() - self.started,
+            "uptime_s": time.time() - self.started,
             "idle_timeout_s": self.idle_timeout_s, "lease_timeout_s": self.lease_timeout_s,
         })
-        info.update(self.counters)
+        info.update(self.chunks.counters)
         return Status.OK, [json.dumps(info).encode()]
-
-    def _op_contains(self, flags, key_len, arg, frames):
-        keys, _ = unpack_keys(key_len, frames)
-        return Status.OK, [bytes(map(self.index.__contains__, keys))]
-
-    def _op_prefix(self, flags, key_len, arg, frames):
-        keys, _ = unpack_keys(key_len, frames)
-        present = bytes(map(self.index.__contains__, keys))
-        n = present.find(b"\x00")
-        return Status.OK, [struct.pack("<q", len(keys) if n < 0 else n)]
-
-    def _op_get(self, flags, key_len, arg, frames):
-        keys, _ = unpack_keys(key_len, frames)
-        index = self.index
-        touch = not flags & Flag.NO_TOUCH
-        sizes = array.array("q")
-        gens = array.array("Q")
-        firsts = array.array("i")
-        nruns = array.array("I")
-        runs = []
-        hits = 0
-        for key in keys:
-            entry = index.get(key)
-            if entry is None:
-                sizes.append(-1)
-                gens.append(0)
-                firsts.append(-1)
-                nruns.append(0)
-                continue
-            if touch:
-                index.move_to_end(key)
-            hits += 1
-            sizes.append(entry.size)
-            gens.append(entry.gen)
-            firsts.append(entry.first)
-            nruns.append(entry.nruns)
-            runs.append(entry.runs)
-        if touch:
-            # arg carries the reads the client found torn or mis-sized since
-            # its last get: they were counted as hits here but were misses.
-            late = max(0, min(arg, self.counters["hits"] + hits))
-            self.counters["gets"] += len(keys)
-            self.counters["hits"] += hits - late
-            self.counters["misses"] += len(keys) - hits + late
-        return Status.OK, [sizes.tobytes(), gens.tobytes(), firsts.tobytes(), nruns.tobytes(), b"".join(runs)]
-
-    def _op_alloc(self, flags, key_len, arg, frames):
-        keys, used = unpack_keys(key_len, frames)
-        sizes = array.array("q")
-        sizes.frombytes(frames[used])
-        if len(sizes) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
-        overwrite = bool(flags & Flag.OVERWRITE)
-        lease = Lease(pid=arg, overwrite=overwrite)
-        chunk = self.chunk_nbytes
-        status = bytearray(len(keys))
-        nruns = array.array("I")
-        run_frames = []
-        index = self.index
-        for i, (key, size) in enumerate(zip(keys, sizes)):
-            if not overwrite and key in index:
-                index.move_to_end(key)
-                status[i] = Alloc.PRESENT
-                nruns.append(0)
-                continue
-            nchunks = -(-size // chunk) if size > 0 else 0
-            runs = self._allocate(nchunks) if size >= 0 else None
-            if runs is None:
-                status[i] = Alloc.FAILED
-                nruns.append(0)
-                self.counters["put_failures"] += 1
-                continue
-            self.leased_chunks += nchunks
-            flat = array.array("i", [x for run in runs for x in run]).tobytes()
-            first = runs[0][0] if runs else -1
-            gen = int(self.gen[first]) if runs else 0
-            lease.items.append((key, Entry(size, flat, len(runs), nchunks, first, gen), runs))
-            nruns.append(len(runs))
-            run_frames.append(flat)
-        self.counters["puts"] += len(keys)
-        lease_id = 0
-        if lease.items:
-            lease_id = self.next_lease
-            self.next_lease += 1
-            self.leases[lease_id] = lease
-        return Status.OK, [struct.pack("<q", lease_id), bytes(status), nruns.tobytes(), b"".join(run_frames)]
-
-    def _op_commit(self, flags, key_len, arg, frames):
-        lease = self.leases.pop(arg, None)
-        if lease is None:
-            return Status.LEASE_GONE, []
-        index = self.index
-        for key, entry, runs in lease.items:
-            self.leased_chunks -= entry.nchunks
-            old = index.get(key)
-            if old is not None:
-                if not lease.overwrite:
-                    # Another writer committed the same key first; its value
-                    # stands and ours was never visible.
-                    if entry.nchunks:
-                        self._free_runs(runs)
-                    index.move_to_end(key)
-                    continue
-                del index[key]
-                self._drop(old)
-            index[key] = entry
-            self.nbytes += entry.size
-        return Status.OK, []
-
-    def _op_abort(self, flags, key_len, arg, frames):
-        lease = self.leases.pop(arg, None)
-        if lease is not None:
-            self._release_lease(lease)
-        return Status.OK, []
-
-    def _op_delete(self, flags, key_len, arg, frames):
-        keys, _ = unpack_keys(key_len, frames)
-        for key in keys:
-            entry = self.index.pop(key, None)
-            if entry is not None:
-                self._drop(entry)
-        return Status.OK, []
-
-    def _op_clear(self, flags, key_len, arg, frames):
-        while self.index:
-            _key, entry = self.index.popitem(last=False)
-            self._drop(entry)
-        return Status.OK, []
-
-    def _op_keys(self, flags, key_len, arg, frames):
-        # Every committed key, least recently used first, as key_len (i64)
-        # and the key frames of pack_keys.  A snapshot: an index of a
-        # million 18-byte keys is an 18 MB reply, sent once per walk.
-        key_len, key_frames = pack_keys(list(self.index))
-        return Status.OK, [struct.pack("<q", key_len), *key_frames]
 
     def _op_shutdown(self, flags, key_len, arg, frames):
         self.stopping = True

@@ -1,0 +1,292 @@
+"""The index of an shm server: which key holds which chunks, and the operations on it.
+
+Owns the server's state and the requests that read or change it: the LRU
+index ``key -> Entry`` (chunks + size), the free chunks, the leases of
+writers that took chunks and have not committed them, eviction, the sweep
+that reclaims the leases of dead or stuck writers, the counters ``stats``
+reports, and the handlers of the ops that touch them (``op_get``,
+``op_alloc``, ``op_commit``...), which unpack keys and pack their replies
+as ``protocol`` says.  Bumps a chunk's generation (in the array it is
+handed, the shared generation segment) whenever it frees the chunk, before
+the chunk can be handed out again.
+
+Pure bookkeeping in one process: must not touch a socket, a file, a signal
+or the values' bytes; the server process (``server``) owns those and calls
+into this.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import struct
+import time
+
+import numpy as np
+
+from ..process import pid_alive
+from .protocol import Alloc, Flag, Status, pack_keys, unpack_keys
+
+
+class Entry:
+    """A committed value: ``runs`` is (start, count) int32 pairs as bytes."""
+
+    __slots__ = ("size", "runs", "nruns", "nchunks", "first", "gen")
+
+    def __init__(self, size: int, runs: bytes, nruns: int, nchunks: int, first: int, gen: int) -> None:
+        self.size = size
+        self.runs = runs
+        self.nruns = nruns
+        self.nchunks = nchunks
+        self.first = first
+        self.gen = gen
+
+
+class Lease:
+    """Chunks handed to one writer and not yet committed."""
+
+    __slots__ = ("pid", "created", "overwrite", "items")
+
+    def __init__(self, pid: int, overwrite: bool) -> None:
+        self.pid = pid
+        self.created = time.monotonic()
+        self.overwrite = overwrite
+        self.items: list[tuple[bytes, Entry, list[tuple[int, int]]]] = []
+
+
+class ChunkIndex:
+    """The index, free list and leases of ``num_chunks`` chunks of
+    ``chunk_nbytes``.  ``gen`` (one uint64 per chunk) must be set before the
+    first request: the server creates it with the segments."""
+
+    def __init__(self, num_chunks: int, chunk_nbytes: int, lease_timeout_s: float) -> None:
+        self.num_chunks = num_chunks
+        self.chunk_nbytes = chunk_nbytes
+        self.lease_timeout_s = lease_timeout_s
+        self.gen: np.ndarray | None = None
+        self.index: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
+        self.free: collections.deque[tuple[int, int]] = collections.deque([(0, num_chunks)])
+        self.free_chunks = num_chunks
+        self.leased_chunks = 0
+        self.leases: dict[int, Lease] = {}
+        self.next_lease = 1
+        self.nbytes = 0
+        self.counters = collections.Counter()
+
+    # -- chunk bookkeeping
+
+    def _free_runs(self, runs: list[tuple[int, int]] | bytes) -> None:
+        if isinstance(runs, bytes):
+            flat = array.array("i", runs)
+            runs = list(zip(flat[0::2], flat[1::2]))
+        gen = self.gen
+        for start, count in runs:
+            # Bump before the chunks can be handed out again, so a reader
+            # that copied from them sees the change when it re-checks.
+            gen[start:start + count] += 1
+            self.free_chunks += count
+            if self.free:
+                s, c = self.free[-1]
+                if s + c == start:
+                    self.free[-1] = (s, c + count)
+                    continue
+            self.free.append((start, count))
+
+    def _evict_oldest(self) -> None:
+        key, entry = self.index.popitem(last=False)
+        self._drop(entry)
+        self.counters["evictions"] += 1
+
+    def _drop(self, entry: Entry) -> None:
+        self.nbytes -= entry.size
+        if entry.nchunks:
+            self._free_runs(entry.runs)
+
+    def _allocate(self, nchunks: int) -> list[tuple[int, int]] | None:
+        if nchunks > self.num_chunks - self.leased_chunks:
+            return None
+        while self.free_chunks < nchunks and self.index:
+            self._evict_oldest()
+        if self.free_chunks < nchunks:
+            return None
+        runs: list[tuple[int, int]] = []
+        need = nchunks
+        free = self.free
+        while need:
+            start, count = free[0]
+            if count <= need:
+                free.popleft()
+                take = count
+            else:
+                free[0] = (start + need, count - need)
+                take = need
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + take)
+            else:
+                runs.append((start, take))
+            need -= take
+        self.free_chunks -= nchunks
+        return runs
+
+    def _release_lease(self, lease: Lease) -> None:
+        for _key, entry, runs in lease.items:
+            if entry.nchunks:
+                self.leased_chunks -= entry.nchunks
+                self._free_runs(runs)
+
+    def sweep(self, now: float) -> None:
+        """Reclaim the leases of writers that are gone or older than
+        ``lease_timeout_s``."""
+        for lease_id, lease in list(self.leases.items()):
+            if not pid_alive(lease.pid) or now - lease.created > self.lease_timeout_s:
+                del self.leases[lease_id]
+                self._release_lease(lease)
+                self.counters["leases_reclaimed"] += 1
+
+    def figures(self) -> dict:
+        """What ``stats`` reports of the index (sizes in bytes, counts of
+        chunks, blocks and leases)."""
+        return {
+            "num_blocks": len(self.index), "nbytes": self.nbytes,
+            "capacity_nbytes": self.num_chunks * self.chunk_nbytes,
+            "free_chunks": self.free_chunks, "leased_chunks": self.leased_chunks,
+            "used_chunks": self.num_chunks - self.free_chunks - self.leased_chunks,
+            "num_leases": len(self.leases),
+        }
+
+    # -- ops: (flags, key_len, arg, frames) -> (status, reply frames)
+
+    def op_contains(self, flags, key_len, arg, frames):
+        keys, _ = unpack_keys(key_len, frames)
+        return Status.OK, [bytes(map(self.index.__contains__, keys))]
+
+    def op_prefix(self, flags, key_len, arg, frames):
+        keys, _ = unpack_keys(key_len, frames)
+        present = bytes(map(self.index.__contains__, keys))
+        n = present.find(b"\x00")
+        return Status.OK, [struct.pack("<q", len(keys) if n < 0 else n)]
+
+    def op_get(self, flags, key_len, arg, frames):
+        keys, _ = unpack_keys(key_len, frames)
+        index = self.index
+        touch = not flags & Flag.NO_TOUCH
+        sizes = array.array("q")
+        gens = array.array("Q")
+        firsts = array.array("i")
+        nruns = array.array("I")
+        runs = []
+        hits = 0
+        for key in keys:
+            entry = index.get(key)
+            if entry is None:
+                sizes.append(-1)
+                gens.append(0)
+                firsts.append(-1)
+                nruns.append(0)
+                continue
+            if touch:
+                index.move_to_end(key)
+            hits += 1
+            sizes.append(entry.size)
+            gens.append(entry.gen)
+            firsts.append(entry.first)
+            nruns.append(entry.nruns)
+            runs.append(entry.runs)
+        if touch:
+            # arg carries the reads the client found torn or mis-sized since
+            # its last get: they were counted as hits here but were misses.
+            late = max(0, min(arg, self.counters["hits"] + hits))
+            self.counters["gets"] += len(keys)
+            self.counters["hits"] += hits - late
+            self.counters["misses"] += len(keys) - hits + late
+        return Status.OK, [sizes.tobytes(), gens.tobytes(), firsts.tobytes(), nruns.tobytes(), b"".join(runs)]
+
+    def op_alloc(self, flags, key_len, arg, frames):
+        keys, used = unpack_keys(key_len, frames)
+        sizes = array.array("q")
+        sizes.frombytes(frames[used])
+        if len(sizes) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        overwrite = bool(flags & Flag.OVERWRITE)
+        lease = Lease(pid=arg, overwrite=overwrite)
+        chunk = self.chunk_nbytes
+        status = bytearray(len(keys))
+        nruns = array.array("I")
+        run_frames = []
+        index = self.index
+        for i, (key, size) in enumerate(zip(keys, sizes)):
+            if not overwrite and key in index:
+                index.move_to_end(key)
+                status[i] = Alloc.PRESENT
+                nruns.append(0)
+                continue
+            nchunks = -(-size // chunk) if size > 0 else 0
+            runs = self._allocate(nchunks) if size >= 0 else None
+            if runs is None:
+                status[i] = Alloc.FAILED
+                nruns.append(0)
+                self.counters["put_failures"] += 1
+                continue
+            self.leased_chunks += nchunks
+            flat = array.array("i", [x for run in runs for x in run]).tobytes()
+            first = runs[0][0] if runs else -1
+            gen = int(self.gen[first]) if runs else 0
+            lease.items.append((key, Entry(size, flat, len(runs), nchunks, first, gen), runs))
+            nruns.append(len(runs))
+            run_frames.append(flat)
+        self.counters["puts"] += len(keys)
+        lease_id = 0
+        if lease.items:
+            lease_id = self.next_lease
+            self.next_lease += 1
+            self.leases[lease_id] = lease
+        return Status.OK, [struct.pack("<q", lease_id), bytes(status), nruns.tobytes(), b"".join(run_frames)]
+
+    def op_commit(self, flags, key_len, arg, frames):
+        lease = self.leases.pop(arg, None)
+        if lease is None:
+            return Status.LEASE_GONE, []
+        index = self.index
+        for key, entry, runs in lease.items:
+            self.leased_chunks -= entry.nchunks
+            old = index.get(key)
+            if old is not None:
+                if not lease.overwrite:
+                    # Another writer committed the same key first; its value
+                    # stands and ours was never visible.
+                    if entry.nchunks:
+                        self._free_runs(runs)
+                    index.move_to_end(key)
+                    continue
+                del index[key]
+                self._drop(old)
+            index[key] = entry
+            self.nbytes += entry.size
+        return Status.OK, []
+
+    def op_abort(self, flags, key_len, arg, frames):
+        lease = self.leases.pop(arg, None)
+        if lease is not None:
+            self._release_lease(lease)
+        return Status.OK, []
+
+    def op_delete(self, flags, key_len, arg, frames):
+        keys, _ = unpack_keys(key_len, frames)
+        for key in keys:
+            entry = self.index.pop(key, None)
+            if entry is not None:
+                self._drop(entry)
+        return Status.OK, []
+
+    def op_clear(self, flags, key_len, arg, frames):
+        while self.index:
+            _key, entry = self.index.popitem(last=False)
+            self._drop(entry)
+        return Status.OK, []
+
+    def op_keys(self, flags, key_len, arg, frames):
+        # Every committed key, least recently used first, as key_len (i64)
+        # and the key frames of pack_keys.  A snapshot: an index of a
+        # million 18-byte keys is an 18 MB reply, sent once per walk.
+        key_len, key_frames = pack_keys(list(self.index))
+        return Status.OK, [struct.pack("<q", key_len), *key_frames]
