@@ -74,6 +74,16 @@ class StagingRing:
             self._views[key] = views
         return views
 
+    def issued(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """``(host_done, pages_done)``: events behind all that is queued so
+        far on the copy stream (the host rows are written or read) and on
+        the kernel stream (the pages are read or written)."""
+        host_done = torch.cuda.Event()
+        host_done.record(self.copy_stream)
+        pages_done = torch.cuda.Event()
+        pages_done.record(self.kernel_stream)
+        return host_done, pages_done
+
 
 def payload_views(rows_words: torch.Tensor, word: int, payload_offset: int, segments: list[Segment]
                   ) -> list[torch.Tensor]:

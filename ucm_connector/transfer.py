@@ -278,10 +278,7 @@ class BlockTransfer:
                     rows.tensor[lo:hi].copy_(as_bytes, non_blocking=True)
                     ring.drained[k].record(ring.copy_stream)
                 ring.used[k] = True
-            pages_read = torch.cuda.Event()
-            pages_read.record(ring.kernel_stream)
-            host_done = torch.cuda.Event()
-            host_done.record(ring.copy_stream)
+            host_done, pages_read = ring.issued()
         # Kernels queued after this may overwrite the pages: not before the
         # gather has read them (the host does not wait).
         compute.wait_event(pages_read)
@@ -338,9 +335,6 @@ class BlockTransfer:
                             target[dst_ids] = src.contiguous()
                     ring.drained[k].record(ring.kernel_stream)
                 ring.used[k] = True
-            host_done = torch.cuda.Event()
-            host_done.record(ring.copy_stream)
-            pages_written = torch.cuda.Event()
-            pages_written.record(ring.kernel_stream)
+            host_done, pages_written = ring.issued()
         compute.wait_event(pages_written)
         return Transfer(host_done, pages_written)
