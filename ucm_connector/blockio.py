@@ -3,8 +3,13 @@
 * ``logger``: the worker side's one logger, under ``vllm.`` so that vLLM's
   log handlers and format apply;
 * ``Reporter``: counts a kind of failure every time and logs it once;
-* ``JobThread``: one thread that runs queued jobs in order (the loader and
-  the prober each own one).
+* ``BlockIO``: the parts that reading or saving blocks is built from (the
+  store, the copy path, a pool of host rows, the namespace digest that
+  envelopes are sealed and checked with, the TP rank that keys are for, the
+  counters, the outcome log and the reporter);
+* ``JobThread``: one thread that runs queued jobs in order (the loader, the
+  prober and the save writer each own one), and can be waited on until
+  every queued job is done.
 
 This module moves no blocks itself, and must not import vLLM: the worker
 side runs where vLLM cannot (a GPU check machine).
@@ -17,7 +22,12 @@ import logging
 import threading
 from typing import Callable
 
+from store_backends import KVStore
+
 from .counters import StatsCollector
+from .outcomes import OutcomeLog
+from .rows import RowPool
+from .transfer import BlockTransfer
 
 # Under "vllm." so that vLLM's log handlers and format apply.
 logger = logging.getLogger("vllm.ucm_connector.worker")
@@ -45,15 +55,32 @@ class Reporter:
             return True
 
 
+class BlockIO:
+    """The parts a ``BlockReader`` or the ``Saves`` moves blocks with."""
+
+    def __init__(self, *, store: KVStore, transfer: BlockTransfer, pool: RowPool, namespace_digest: bytes,
+                 tp_rank: int, stats: StatsCollector, events: OutcomeLog, report: Reporter) -> None:
+        self.store = store
+        self.transfer = transfer
+        self.pool = pool
+        self.namespace_digest = namespace_digest
+        self.tp_rank = tp_rank
+        self.stats = stats
+        self.events = events
+        self.report = report
+        self.payload_nbytes = transfer.payload_nbytes
+
+
 class JobThread:
     """A thread that runs jobs in order until closed."""
 
-    def __init__(self, run: Callable[[object], None]) -> None:
+    def __init__(self, run: Callable[[object], None], name: str = "ucm-loader") -> None:
         self._run = run
         self._cond = threading.Condition()
         self._jobs: collections.deque = collections.deque()
+        self._running = 0
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="ucm-loader", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def put(self, *jobs: object) -> None:
@@ -69,7 +96,16 @@ class JobThread:
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
+                self._running += 1
             self._run(job)
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued job is done."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._running, timeout)
 
     def close(self) -> None:
         with self._cond:

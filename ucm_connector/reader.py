@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from store_backends import KVStore, StoreError
+from store_backends import StoreError
 
 from . import blockfmt
-from .blockio import Reporter
-from .counters import StatsCollector
+from .blockio import BlockIO
 from .hashing import keys_for_rank
-from .outcomes import REMOVED, OutcomeLog
+from .outcomes import REMOVED
 from .plans import BlockPlan
-from .rows import HostRows, RowPool
-from .transfer import BlockTransfer, Transfer
+from .rows import HostRows
+from .transfer import Transfer
 
 
 class ReadChunk:
@@ -40,22 +39,10 @@ class ReadChunk:
         return [self.block_ids[i] for i in self.good]
 
 
-class BlockReader:
+class BlockReader(BlockIO):
     """Reads, checks and copies batches of blocks into their pages, through
     rows of one pool (pinned and allocated once on CUDA): the store writes
     into the rows themselves, and the copy into the pages reads them."""
-
-    def __init__(self, *, store: KVStore, transfer: BlockTransfer, pool: RowPool, namespace_digest: bytes,
-                 tp_rank: int, stats: StatsCollector, events: OutcomeLog, report: Reporter) -> None:
-        self.store = store
-        self.transfer = transfer
-        self.pool = pool
-        self.namespace_digest = namespace_digest
-        self.tp_rank = tp_rank
-        self.stats = stats
-        self.events = events
-        self.report = report
-        self.payload_nbytes = transfer.payload_nbytes
 
     def _read(self, keys: list[bytes], rows: np.ndarray) -> list[bool]:
         try:

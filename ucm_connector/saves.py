@@ -15,54 +15,38 @@ not import vLLM.
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from typing import Callable
 
-from store_backends import KVStore, StoreError
+from store_backends import StoreError
 
 from . import blockfmt
-from .blockio import Reporter, logger
-from .counters import StatsCollector
+from .blockio import BlockIO, JobThread, logger
 from .hashing import keys_for_rank
-from .outcomes import NOT_STORED, PRESENT, WRITTEN, OutcomeLog
+from .outcomes import NOT_STORED, PRESENT, WRITTEN
 from .plans import BlockPlan
-from .rows import HostRows, RowPool
-from .transfer import BlockTransfer, Transfer
+from .rows import HostRows
+from .transfer import Transfer
 
 
-class Saves:
+class Saves(BlockIO):
     """A step's new blocks: checked against the store, gathered out of the
     cache into rows of a pool bounded by ``max_pending_save_mib`` (pinned
     and allocated once on CUDA, where the gather returns as soon as it is
     issued), and written by one background writer, which waits for the
-    copy, seals each row's envelope and puts the rows themselves."""
+    copy, seals each row's envelope and puts the rows themselves.  Built
+    from ``BlockIO``'s parts, and ``share_failures`` (below)."""
 
-    def __init__(self, *, store: KVStore, transfer: BlockTransfer, pool: RowPool, namespace_digest: bytes,
-                 tp_rank: int, stats: StatsCollector, events: OutcomeLog, report: Reporter,
-                 share_failures: Callable[[set[int]], set[int]] | None = None) -> None:
-        self.store = store
-        self.transfer = transfer
-        self.pool = pool
-        self.namespace_digest = namespace_digest
-        self.tp_rank = tp_rank
-        self.stats = stats
-        self.events = events
-        self.report = report
-        self.payload_nbytes = transfer.payload_nbytes
+    def __init__(self, *, share_failures: Callable[[set[int]], set[int]] | None = None, **parts) -> None:
+        super().__init__(**parts)
         # With TP > 1 every rank's forward pass reads every rank's pages
         # (through the all-reduce), so a save is dropped when a load failed
         # on any rank: this returns the union over the TP group.
         self._share_failures = share_failures
         # Blocks whose load failed, this step and the one before.
         self._recent_failures: collections.deque[set[int]] = collections.deque([set(), set()], maxlen=2)
-        self._cond = threading.Condition()
-        # (keys, rows, their copy, keys whose stored value is replaced)
-        self._queue: collections.deque[tuple[list[bytes], HostRows, Transfer, list[bytes]]] = collections.deque()
-        self._writing = 0
-        self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="ucm-save-writer", daemon=True)
-        self._writer.start()
+        # Jobs: (keys, rows, their copy, keys whose stored value is replaced).
+        self._writer = JobThread(self._write, name="ucm-save-writer")
 
     def drop_tainted(self, plans: list[BlockPlan], failures: set[int]) -> list[BlockPlan]:
         """Never save KV computed on a page whose load failed: vLLM rewinds
@@ -127,60 +111,43 @@ class Saves:
             except BaseException:
                 rows.release()
                 raise
-            with self._cond:
-                self._queue.append(([keys[i] for i in part], rows, copy,
-                                    [keys[i] for i in part if overwrite[i]]))
-                self._cond.notify_all()
+            self._writer.put(([keys[i] for i in part], rows, copy, [keys[i] for i in part if overwrite[i]]))
         if skipped:
             self.stats.add(skipped_saves=skipped)
         self.stats.add(save_seconds=time.perf_counter() - t0)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                keys, rows, copy, replace = self._queue.popleft()
-                self._writing += 1
-            t0 = time.perf_counter()
-            try:
-                copy.wait()
-                # Sealed here, after the copy: on CUDA it writes whole rows.
-                for row, key in zip(rows.rows, keys):
-                    blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
-                if replace:
-                    # Stores keep the first value put under a key; a value
-                    # that must not survive is deleted first (in every tier).
-                    self.store.delete(replace)
-                stored = self.store.put(keys, [memoryview(row) for row in rows.rows])
-            except Exception as exc:  # the writer must outlive any one bad batch
-                self.report.failed("store save", exc)
-                stored = [False] * len(keys)
-            finally:
-                rows.release()
-            n = sum(stored)
-            if n < len(keys) and self.report.first("store refused"):
-                logger.warning("ucm-connector: store %s refused %d of %d blocks (full?); refused saves "
-                               "are skipped and counted in vllm:ucm_skipped_saves (logged once)",
-                               self.store.url, len(keys) - n, len(keys))
-            self.events.add(WRITTEN, [k for k, ok in zip(keys, stored) if ok])
-            self.events.add(NOT_STORED, [k for k, ok in zip(keys, stored) if not ok])
-            self.stats.add(saved_blocks=n, saved_bytes=n * self.payload_nbytes,
-                           skipped_saves=len(keys) - n, save_seconds=time.perf_counter() - t0)
-            with self._cond:
-                self._writing -= 1
-                self._cond.notify_all()
+    def _write(self, job: tuple[list[bytes], HostRows, Transfer, list[bytes]]) -> None:
+        keys, rows, copy, replace = job
+        t0 = time.perf_counter()
+        try:
+            copy.wait()
+            # Sealed here, after the copy: on CUDA it writes whole rows.
+            for row, key in zip(rows.rows, keys):
+                blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
+            if replace:
+                # Stores keep the first value put under a key; a value
+                # that must not survive is deleted first (in every tier).
+                self.store.delete(replace)
+            stored = self.store.put(keys, [memoryview(row) for row in rows.rows])
+        except Exception as exc:  # the writer must outlive any one bad batch
+            self.report.failed("store save", exc)
+            stored = [False] * len(keys)
+        finally:
+            rows.release()
+        n = sum(stored)
+        if n < len(keys) and self.report.first("store refused"):
+            logger.warning("ucm-connector: store %s refused %d of %d blocks (full?); refused saves "
+                           "are skipped and counted in vllm:ucm_skipped_saves (logged once)",
+                           self.store.url, len(keys) - n, len(keys))
+        self.events.add(WRITTEN, [k for k, ok in zip(keys, stored) if ok])
+        self.events.add(NOT_STORED, [k for k, ok in zip(keys, stored) if not ok])
+        self.stats.add(saved_blocks=n, saved_bytes=n * self.payload_nbytes,
+                       skipped_saves=len(keys) - n, save_seconds=time.perf_counter() - t0)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is written."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._writing, timeout)
+        return self._writer.flush(timeout)
 
     def close(self) -> None:
         self.flush(timeout=60)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._writer.join(timeout=60)
+        self._writer.close()
