@@ -1,397 +1,44 @@
 """Whole-block copies between vLLM's paged KV caches and host rows.
 
-A stored block is the concatenation, layer by layer, of that block's pages:
-``payload = page(layer 0) | page(layer 1) | ...``.  A page is what the
-attention backend keeps for one block of one layer, and its bytes go into
-the payload in address order: a page is one or more equal runs of bytes
-(one for block-major caches, two for K/V-first ones, one per head where
-heads sit outside blocks), copied whole and in the order they lie in
-memory (where vLLM splits a block into smaller kernel blocks, in the order
-the unsplit block would have).  So the payload depends on the order inside
-a page (tokens outside heads or heads outside tokens), not on how layers
-and blocks nest around pages; the inner layout of a page is the backend's
-business (the CPU backend packs K and V per ISA), and the namespace names it
-(``layout.py``).
+``BlockTransfer`` gathers blocks out of the registered caches into host
+rows, scatters them back, and hands back a ``Transfer`` for each copy it
+issues.  It is made of parts that live beside it:
 
-Any strided cache view is understood, as long as its last dimension is
-contiguous and it has a dimension of ``num_blocks`` blocks first (or second,
-after a K/V dimension of 2): vLLM's ``[B, H, N, C]`` views of one backing
-buffer in all six ``KVCacheLayout`` orders (kernel-block splits included),
-and the older per-layer K/V-first and block-major tensors.  Consecutive
-layers that share a backing buffer at a constant distance are copied as one
-strided view, so a default vLLM cache moves with one index operation per
-batch, not one per layer.
+* ``pages.py``: where a layer's pages lie (``describe_layer``,
+  ``LayerView``), the order of a stored block's payload, and the strided
+  views that cover runs of layers;
+* ``rows.py``: host rows (``RowPool``, ``HostRows``), allocated once and
+  pinned on CUDA;
+* ``staging.py``: the ring of device staging slots a CUDA copy moves
+  through in chunks.
 
-On CPU a copy is one fancy-indexed assignment per such view, over numpy
-views of the caches.  On CUDA, a batch moves in chunks through a small ring
-of device staging buffers: an index kernel gathers a chunk's pages into a
-staging slot (rows laid out exactly like the host rows) while the copy
-engine moves the previous chunk over PCIe, straight into or out of pinned
-host rows; so a batch costs one pass of the PCIe link plus one chunk's
-gather.  Host rows come from a ``RowPool`` (pinned once, reused), so the
-store reads into and writes from the very memory the DMA uses.  Nothing
-here synchronises the host with the compute stream: the side streams wait
-on it (a save sees the kernels that just wrote its pages), and it waits on
-them through events (the forward pass runs after the pages it reads are
-loaded, and does not overwrite pages a save has not yet read).
+On CPU a copy is one fancy-indexed assignment per layer, over numpy views
+of the caches.  On CUDA, an index kernel gathers a chunk's pages into a
+staging slot while the copy engine moves the previous chunk over PCIe,
+straight into or out of the pinned host rows.  Nothing here synchronises
+the host with the compute stream: the side streams wait on it (a save sees
+the kernels that just wrote its pages), and it waits on them through events
+(the forward pass runs after the pages it reads are loaded, and does not
+overwrite pages a save has not yet read).
 
-This module knows torch and tensor layouts; it knows nothing of stores,
-requests or the scheduler.
+This module and those parts know torch and tensor layouts; they know
+nothing of stores, requests or the scheduler.  ``LayerView``,
+``describe_layer``, ``HostRows`` and ``RowPool`` stay importable from here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Sequence
 
 import numpy as np
 import torch
 
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+from .pages import LayerView, describe_layer, segment_layers
+from .rows import HostRows, RowPool
+from .staging import StagingRing, payload_views, round_up
 
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerView:
-    """Where one layer keeps a block's page, in bytes of its storage."""
-
-    name: str
-    tensor: torch.Tensor
-    kv_first: bool
-    num_blocks: int
-    page_nbytes: int          # bytes of one block of this layer (K and V)
-    base: int = 0             # storage offset of block 0's first run
-    block_stride: int = 0
-    runs: tuple[tuple[int, int], ...] = ()   # (count, stride) of the runs, outermost first
-    run_nbytes: int = 0
-
-
-def _dims_nbytes(tensor: torch.Tensor) -> tuple[list[int], list[int], int]:
-    """Sizes, strides and storage offset of ``tensor`` counted in bytes."""
-    itemsize = tensor.element_size()
-    sizes = list(tensor.shape)
-    sizes[-1] *= itemsize
-    strides = [s * itemsize for s in tensor.stride()]
-    strides[-1] = 1
-    return sizes, strides, tensor.storage_offset() * itemsize
-
-
-def _merge_dims(dims: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """(count, stride) dimensions, outermost first, with every dimension
-    that continues the next inner one folded into it (longer runs)."""
-    merged = [dims[-1]]
-    for n, s in reversed(dims[:-1]):
-        inner_n, inner_s = merged[0]
-        if s == inner_s * inner_n:
-            merged[0] = (n * inner_n, inner_s)
-        else:
-            merged.insert(0, (n, s))
-    return tuple(merged)
-
-
-def describe_layer(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerView:
-    """Work out where the pages of a layer's cache lie."""
-
-    def refuse(why: str) -> ValueError:
-        return ValueError(
-            f"KV cache of layer {name!r} (shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}): "
-            f"{why}; ucm-connector copies whole pages and needs a dimension of {num_blocks} "
-            "blocks first (or second, after K/V) and a contiguous last dimension")
-
-    if tensor.dim() < 2 or tensor.stride(-1) != 1:
-        raise refuse("the last dimension is not contiguous")
-    sizes, strides, base = _dims_nbytes(tensor)
-    kv_first = sizes[0] == 2 and sizes[1] == num_blocks and num_blocks != 2
-    split: tuple[int, int] | None = None
-    if kv_first:
-        block_axis = 1
-    elif sizes[0] == num_blocks:
-        block_axis = 0
-    elif tensor.dim() == 4 and num_blocks > 0 and sizes[0] > num_blocks and sizes[0] % num_blocks == 0:
-        # vLLM's kernel blocks smaller than its blocks ([B * ratio, H, N, C]):
-        # block b is kernel blocks [b * ratio, (b + 1) * ratio), equally spaced.
-        block_axis = 0
-        split = (sizes[0] // num_blocks, strides[0])
-        sizes[0], strides[0] = num_blocks, strides[0] * split[0]
-    else:
-        raise refuse(f"no dimension of {num_blocks} blocks (pages of shape {tuple(tensor.shape)} are not "
-                     "contiguous runs that ucm-connector can find)")
-    block_stride = strides[block_axis]
-    dims = sorted(((n, s) for axis, (n, s) in enumerate(zip(sizes, strides)) if axis != block_axis and n != 1),
-                  key=lambda d: -d[1])
-    for (outer_n, outer_s), (inner_n, inner_s) in zip(dims, dims[1:]):
-        if outer_s < inner_s * inner_n:
-            raise refuse("its pages overlap themselves")
-    if block_stride <= 0 or not dims or dims[-1][1] != 1:
-        raise refuse("its pages are not runs of contiguous bytes")
-    if split is not None:
-        # Kernel pages go in just outside the token axis, so that a block's
-        # payload is the same as without the split ([H, N, C] stays [H, N, C]
-        # rather than becoming [ratio, H, N / ratio, C]).
-        tokens = (sizes[2], strides[2])
-        at = dims.index(tokens) if tokens in dims else len(dims) - 1
-        dims.insert(at, split)
-    merged = _merge_dims(dims)
-    run_nbytes = merged[-1][0]
-    runs = tuple(merged[:-1])
-    page_nbytes = run_nbytes * int(np.prod([n for n, _ in runs], dtype=np.int64))
-    return LayerView(name, tensor, kv_first, num_blocks, page_nbytes, base, block_stride, runs, run_nbytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Segment:
-    """Consecutive layers whose pages one strided view covers: dims after the
-    block dimension are (count, byte stride), the last one the contiguous
-    run."""
-
-    first_layer: int
-    num_layers: int
-    storage_of: torch.Tensor
-    base: int
-    block_stride: int
-    dims: tuple[tuple[int, int], ...]
-    offset: int              # where its first page starts in the payload
-    nbytes: int              # its bytes of one block
-
-    @property
-    def align(self) -> int:
-        """Widest word that every offset and stride of the view is made of."""
-        values = [self.base, self.block_stride, self.dims[-1][0]] + [s for _, s in self.dims[:-1]]
-        return next(w for w in (8, 4, 2, 1) if all(v % w == 0 for v in values))
-
-    def view(self, num_blocks: int, word: int = 1) -> torch.Tensor:
-        storage = self.storage_of.untyped_storage()
-        flat = torch.empty(0, dtype=_WORDS[word], device=self.storage_of.device)
-        flat.set_(storage, 0, (storage.nbytes() // word,), (1,))
-        sizes = [num_blocks] + [n for n, _ in self.dims[:-1]] + [self.dims[-1][0] // word]
-        strides = [self.block_stride // word] + [s // word for _, s in self.dims[:-1]] + [1]
-        return flat.as_strided(sizes, strides, self.base // word)
-
-    @property
-    def inner_sizes(self) -> list[int]:
-        return [n for n, _ in self.dims]
-
-
-def _segments(layers: list[LayerView], offsets: list[int], merge: bool) -> list[_Segment]:
-    """One segment per run of layers that sit at a constant distance in one
-    storage with identical page geometry (vLLM's layers of one group)."""
-    groups: list[list[int]] = []
-    for i, layer in enumerate(layers):
-        if merge and groups:
-            first = layers[groups[-1][0]]
-            last = layers[groups[-1][-1]]
-            same = (layer.tensor.untyped_storage().data_ptr() == first.tensor.untyped_storage().data_ptr()
-                    and layer.tensor.device == first.tensor.device
-                    and (layer.block_stride, layer.runs, layer.run_nbytes)
-                    == (first.block_stride, first.runs, first.run_nbytes))
-            step = layer.base - last.base
-            if same and step > 0 and (len(groups[-1]) == 1 or step == last.base - layers[groups[-1][-2]].base):
-                groups[-1].append(i)
-                continue
-        groups.append([i])
-    segments = []
-    for group in groups:
-        first = layers[group[0]]
-        dims = list(first.runs) + [(first.run_nbytes, 1)]
-        if len(group) > 1:
-            dims.insert(0, (len(group), layers[group[1]].base - first.base))
-        segments.append(_Segment(group[0], len(group), first.tensor, first.base, first.block_stride,
-                                 _merge_dims(dims), offsets[group[0]], first.page_nbytes * len(group)))
-    return segments
-
-
-# -- host rows ---------------------------------------------------------------
-
-
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed call made outside
-    torch, which would otherwise surface at torch's next launch check."""
-    import ctypes
-
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
-            continue
-
-
-def _unregister(address: int, keep_alive: object) -> None:
-    # keep_alive is the mapping itself: unmapped before it is unregistered,
-    # its range would stay registered and a later mapping there would fail.
-    try:
-        torch.cuda.cudart().cudaHostUnregister(address)
-    except Exception:
-        pass
-
-
-def _pinned_memory(owner: object, nbytes: int) -> tuple[np.ndarray, torch.Tensor, object]:
-    """Page-locked host memory of exactly ``nbytes`` (torch's pinned
-    allocator rounds every request up to a power of two): fresh anonymous
-    pages registered with CUDA, unregistered when ``owner`` is collected;
-    torch's pinned memory where registration fails.  Returns the memory as
-    numpy and torch, and the unregistering finalizer (None for torch's)."""
-    import mmap
-    import weakref
-
-    mapping = mmap.mmap(-1, max(nbytes, 1))
-    array = np.frombuffer(mapping, dtype=np.uint8)
-    address = array.ctypes.data
-    try:
-        rc = int(torch.cuda.cudart().cudaHostRegister(address, array.nbytes, 0))
-    except Exception:
-        rc = -1
-    if rc == 0:
-        return array, torch.from_numpy(array), weakref.finalize(owner, _unregister, address, mapping)
-    _clear_cuda_error()
-    del array
-    try:
-        mapping.close()
-    except BufferError:
-        pass
-    tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-    return tensor.numpy(), tensor, None
-
-
-class HostRows:
-    """Rows taken from a ``RowPool``: ``rows`` is ``[n, row_nbytes]`` uint8,
-    a numpy view of the pool's (pinned, on CUDA) memory; each row holds a
-    block's payload at the pool's ``payload_offset``.  Give them back with
-    ``release`` (``after``: once that transfer no longer needs them)."""
-
-    def __init__(self, pool: "RowPool", start: int, count: int) -> None:
-        self.pool = pool
-        self.start = start
-        self.count = count
-        self.rows = pool._array[start:start + count]
-        self.tensor = pool._tensor[start:start + count]
-        self._released = False
-
-    @property
-    def payload(self) -> np.ndarray:
-        lo = self.pool.payload_offset
-        return self.rows[:, lo:lo + self.pool.payload_nbytes]
-
-    def release(self, after: "Transfer | None" = None) -> None:
-        if not self._released:
-            self._released = True
-            self.pool._give_back(self, after)
-
-
-class RowPool:
-    """Host rows for whole blocks, allocated once (pinned on CUDA) and lent
-    out again and again: at most ``max_nbytes`` of them.  Thread-safe."""
-
-    def __init__(self, row_nbytes: int, payload_offset: int, payload_nbytes: int, max_nbytes: int,
-                 pinned: bool, prefault: bool = True) -> None:
-        if payload_offset + payload_nbytes > row_nbytes:
-            raise ValueError(f"rows of {row_nbytes} bytes cannot hold {payload_nbytes} bytes of payload at "
-                             f"offset {payload_offset}")
-        self.row_nbytes = row_nbytes
-        self.payload_offset = payload_offset
-        self.payload_nbytes = payload_nbytes
-        self.capacity = max(1, max_nbytes // row_nbytes)
-        nbytes = self.capacity * row_nbytes
-        self._unregister = None
-        if pinned:
-            flat, tensor, self._unregister = _pinned_memory(self, nbytes)
-        else:
-            flat = np.empty(nbytes, dtype=np.uint8)
-            if prefault:
-                flat.fill(0)  # fault the pages in now, not during the first copy
-            tensor = torch.from_numpy(flat)
-        self._array = flat[:nbytes].reshape(self.capacity, row_nbytes)
-        self._tensor = tensor[:nbytes].view(self.capacity, row_nbytes)
-        self.pinned = pinned
-        self._cond = threading.Condition()
-        self._free: list[tuple[int, int]] = [(0, self.capacity)]   # (start, count), sorted
-        self._pending: list[tuple[HostRows, Transfer]] = []
-
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * self.row_nbytes
-
-    def take(self, count: int, wait: bool = True, timeout: float | None = None) -> HostRows | None:
-        """``count`` consecutive rows, or None when they cannot be had: more
-        than the pool holds (take at most ``capacity`` at a time), or, with
-        ``wait=False`` or a ``timeout``, none free in time.  Waiting may
-        mean waiting for a copy that still holds rows given back to the pool."""
-        if count < 1 or count > self.capacity:
-            return None
-        with self._cond:
-            while True:
-                self._reap(block=False)
-                start = self._fit(count)
-                if start is not None:
-                    return HostRows(self, start, count)
-                if not wait:
-                    return None
-                if self._pending:
-                    self._reap(block=True)
-                    continue
-                if not self._cond.wait(timeout):
-                    return None
-
-    def _fit(self, count: int) -> int | None:
-        for i, (start, n) in enumerate(self._free):
-            if n >= count:
-                if n == count:
-                    self._free.pop(i)
-                else:
-                    self._free[i] = (start + count, n - count)
-                return start
-        return None
-
-    def _reap(self, block: bool) -> None:
-        """Free the rows whose copies are done (``block``: wait for the oldest)."""
-        pending, self._pending, still = self._pending, [], []
-        for i, (rows, transfer) in enumerate(pending):
-            if block and i == 0:
-                self._cond.release()
-                try:
-                    transfer.wait()
-                finally:
-                    self._cond.acquire()
-            if transfer.done():
-                self._free_rows(rows)
-            else:
-                still.append((rows, transfer))
-        self._pending = still + self._pending   # those given back while we waited
-
-    def _free_rows(self, rows: HostRows) -> None:
-        self._free.append((rows.start, rows.count))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for start, n in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((start, n))
-        self._free = merged
-
-    def _give_back(self, rows: HostRows, after: "Transfer | None") -> None:
-        with self._cond:
-            if after is not None and not after.done():
-                self._pending.append((rows, after))
-            else:
-                self._free_rows(rows)
-            self._cond.notify_all()
-
-    @property
-    def registered(self) -> bool:
-        """Whether the rows are memory of ours registered with CUDA (else
-        torch's pinned memory, or plain memory on CPU)."""
-        return self._unregister is not None and self._unregister.alive
-
-    def close(self) -> None:
-        """Unpin now rather than when the pool is collected; rows lent out
-        stay readable, as plain memory."""
-        if self._unregister is not None:
-            self._unregister()
+__all__ = ["BlockTransfer", "HostRows", "LayerView", "RowPool", "Transfer", "describe_layer"]
 
 
 class Transfer:
@@ -426,66 +73,6 @@ class Transfer:
 _DONE = Transfer()
 
 
-class _Ring:
-    """Device staging slots for one direction, with the events that order
-    their reuse; one copy at a time per direction (``lock``).  The strided
-    views of a slot that the index kernels write or read are built once
-    per chunk shape and kept: building them per copy cost more host time
-    than the copy's kernels took (benchmarks/RESULTS.md)."""
-
-    def __init__(self, device: torch.device, slot_nbytes: int, slots: int) -> None:
-        self.device = device
-        self.slot_nbytes = slot_nbytes
-        self.slots = slots
-        self.buffer: torch.Tensor | None = None
-        self.kernel_stream = torch.cuda.Stream(device=device)
-        self.copy_stream = torch.cuda.Stream(device=device)
-        self.filled = [torch.cuda.Event() for _ in range(slots)]
-        self.drained = [torch.cuda.Event() for _ in range(slots)]
-        self.used = [False] * slots
-        self.lock = threading.Lock()
-        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
-
-    def fit(self, row_nbytes: int) -> None:
-        if self.slot_nbytes < row_nbytes:   # a block larger than a slot: one block per slot
-            self.slot_nbytes = _round_up(row_nbytes, 256)
-            self.buffer = None
-            self._views.clear()
-
-    def rows_per_slot(self, row_nbytes: int) -> int:
-        return max(1, self.slot_nbytes // row_nbytes)
-
-    def chunk(self, k: int, rows: int, word: int, pool: "RowPool", segments: list[_Segment]
-              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Slot ``k`` holding ``rows`` host rows: as bytes (for the DMA), as
-        words, and each segment's payload columns shaped like its view."""
-        key = (k, rows, word, pool.row_nbytes, pool.payload_offset)
-        views = self._views.get(key)
-        if views is None:
-            if self.buffer is None:
-                self.buffer = torch.empty(self.slot_nbytes * self.slots, dtype=torch.uint8, device=self.device)
-            lo = k * self.slot_nbytes
-            as_bytes = self.buffer[lo:lo + rows * pool.row_nbytes].view(rows, pool.row_nbytes)
-            as_words = as_bytes.view(_WORDS[word])
-            views = (as_bytes, as_words, _payload_views(as_words, word, pool.payload_offset, segments))
-            if len(self._views) >= 64:    # odd last-chunk sizes: keep it bounded
-                self._views.clear()
-            self._views[key] = views
-        return views
-
-
-def _payload_views(rows_words: torch.Tensor, word: int, payload_offset: int, segments: list[_Segment]
-                   ) -> list[torch.Tensor]:
-    """Each segment's columns of ``[rows, row words]``, shaped
-    ``[rows, *segment dims]`` like the segment's view of the cache."""
-    views = []
-    for segment in segments:
-        col = (payload_offset + segment.offset) // word
-        sizes = segment.inner_sizes[:-1] + [segment.inner_sizes[-1] // word]
-        views.append(rows_words[:, col:col + segment.nbytes // word].unflatten(1, sizes))
-    return views
-
-
 class BlockTransfer:
     """Gathers blocks out of, and scatters them into, the registered caches.
 
@@ -502,13 +89,13 @@ class BlockTransfer:
         self.device = self.layers[0].tensor.device
         self.payload_nbytes = sum(l.page_nbytes for l in self.layers)
         self._offsets = np.cumsum([0] + [l.page_nbytes for l in self.layers]).tolist()
-        self._segments = _segments(self.layers, self._offsets, merge_layers)
-        self._layer_segments = _segments(self.layers, self._offsets, merge=False)
+        self._segments = segment_layers(self.layers, self._offsets, merge_layers)
+        self._layer_segments = segment_layers(self.layers, self._offsets, merge=False)
         self._cuda = self.device.type == "cuda"
         if self._cuda:
-            slot_nbytes = _round_up(max(staging_nbytes // slots, 1), 256)
-            self._gather_ring = _Ring(self.device, slot_nbytes, slots)
-            self._scatter_ring = _Ring(self.device, slot_nbytes, slots)
+            slot_nbytes = round_up(max(staging_nbytes // slots, 1), 256)
+            self._gather_ring = StagingRing(self.device, slot_nbytes, slots)
+            self._scatter_ring = StagingRing(self.device, slot_nbytes, slots)
             self._views: dict[tuple[int, int], torch.Tensor] = {}
             self._own_pool: RowPool | None = None
             self._own_pool_lock = threading.Lock()
@@ -691,10 +278,7 @@ class BlockTransfer:
                     rows.tensor[lo:hi].copy_(as_bytes, non_blocking=True)
                     ring.drained[k].record(ring.copy_stream)
                 ring.used[k] = True
-            pages_read = torch.cuda.Event()
-            pages_read.record(ring.kernel_stream)
-            host_done = torch.cuda.Event()
-            host_done.record(ring.copy_stream)
+            host_done, pages_read = ring.issued()
         # Kernels queued after this may overwrite the pages: not before the
         # gather has read them (the host does not wait).
         compute.wait_event(pages_read)
@@ -743,7 +327,7 @@ class BlockTransfer:
                     if pos is not None:   # only some rows passed their checks
                         picked = as_words.index_select(0, ids[cursor:cursor + len(pos)])
                         cursor += len(pos)
-                        srcs = _payload_views(picked, word, pool.payload_offset, self._segments)
+                        srcs = payload_views(picked, word, pool.payload_offset, self._segments)
                     for target, src in zip(targets_views, srcs):
                         if self._scatter_in_place:
                             target.index_copy_(0, dst_ids, src)
@@ -751,9 +335,6 @@ class BlockTransfer:
                             target[dst_ids] = src.contiguous()
                     ring.drained[k].record(ring.kernel_stream)
                 ring.used[k] = True
-            host_done = torch.cuda.Event()
-            host_done.record(ring.copy_stream)
-            pages_written = torch.cuda.Event()
-            pages_written.record(ring.kernel_stream)
+            host_done, pages_written = ring.issued()
         compute.wait_event(pages_written)
         return Transfer(host_done, pages_written)

@@ -1,0 +1,121 @@
+"""Reading a batch of blocks from the store into their pages.
+
+``BlockReader`` reads a batch of blocks with one ``get_into`` straight into
+rows of a pool (pinned and allocated once on CUDA), checks every envelope
+and checksum, copies the good blocks into their pages (``BlockTransfer``)
+and deletes bad ones from the store: a bad block would otherwise be found,
+fail and be recomputed on every later hit.
+
+This module decides nothing about when or on which thread blocks are read
+(``loads.py`` does), and must not import vLLM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from store_backends import StoreError
+
+from . import blockfmt
+from .blockio import BlockIO
+from .hashing import keys_for_rank
+from .outcomes import REMOVED
+from .plans import BlockPlan
+from .rows import HostRows
+from .transfer import Transfer
+
+
+class ReadChunk:
+    """Blocks read into rows of the pool: ``good`` are the indices of the rows
+    that passed their checks."""
+
+    def __init__(self, block_ids: list[int], rows: HostRows, good: list[int]) -> None:
+        self.block_ids = block_ids
+        self.rows = rows
+        self.good = good
+
+    @property
+    def good_ids(self) -> list[int]:
+        return [self.block_ids[i] for i in self.good]
+
+
+class BlockReader(BlockIO):
+    """Reads, checks and copies batches of blocks into their pages, through
+    rows of one pool (pinned and allocated once on CUDA): the store writes
+    into the rows themselves, and the copy into the pages reads them."""
+
+    def _read(self, keys: list[bytes], rows: np.ndarray) -> list[bool]:
+        try:
+            return self.store.get_into(keys, [memoryview(row) for row in rows])
+        except StoreError as exc:
+            self.report.failed("store load", exc)
+            return [False] * len(keys)
+
+    def _check(self, keys: list[bytes], rows: np.ndarray, found: list[bool]) -> tuple[list[int], list[bytes]]:
+        """Indices of the rows that passed their checks, and keys of the
+        blocks that were found but failed them."""
+        good: list[int] = []
+        bad_keys: list[bytes] = []
+        for i, ok in enumerate(found):
+            if ok:
+                try:
+                    blockfmt.verify(rows[i], self.namespace_digest, self.payload_nbytes, key=keys[i])
+                    good.append(i)
+                except blockfmt.BlockFormatError as exc:
+                    self.report.failed(f"block check ({exc.reason})", exc)
+                    bad_keys.append(keys[i])
+        return good, bad_keys
+
+    def read(self, plans: list[BlockPlan], *, scatter: bool = True, after=None
+             ) -> tuple[list[int], set[int], list[ReadChunk], list[Transfer]]:
+        """Read the plans' blocks (a batch per pool's worth), check them and
+        (``scatter``) copy the good ones into their pages, ordered after the
+        work queued on the stream ``after`` (CUDA).  Returns the block ids,
+        the bad ones, the chunks still holding rows (``scatter=False``: the
+        caller copies and releases them) and the issued copies.  Bad blocks
+        go to the stats and are deleted from the store."""
+        block_ids = [b for plan in plans for b in plan.block_ids]
+        keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
+        kept: list[ReadChunk] = []
+        copies: list[Transfer] = []
+        bad: set[int] = set()
+        bad_keys: list[bytes] = []
+        num_good = 0
+        step = self.pool.capacity
+        for lo in range(0, len(keys), step):
+            ids, chunk_keys = block_ids[lo:lo + step], keys[lo:lo + step]
+            rows = self.pool.take(len(ids))
+            try:
+                # One batched read per chunk.  Reading a chunk ahead on
+                # another thread measured no faster on disk and 25% slower
+                # on shm on two cores (benchmarks/RESULTS.md).
+                good, chunk_bad_keys = self._check(chunk_keys, rows.rows, self._read(chunk_keys, rows.rows))
+            except BaseException:
+                rows.release()
+                raise
+            bad_keys += chunk_bad_keys
+            num_good += len(good)
+            chunk = ReadChunk(ids, rows, good)
+            bad |= set(ids) - set(chunk.good_ids)
+            if not scatter:
+                kept.append(chunk)
+                continue
+            copy = None
+            try:
+                if good:
+                    copy = self.transfer.scatter_rows(chunk.good_ids, rows, row_ids=good, after=after)
+            finally:
+                rows.release(after=copy)
+            if copy is not None:
+                copies.append(copy)
+        if bad_keys:
+            # A bad block would otherwise be found, fail and be recomputed
+            # on every later hit, and never be saved again.
+            try:
+                self.store.delete(bad_keys)
+                self.events.add(REMOVED, bad_keys)
+            except StoreError as exc:
+                self.report.failed("store delete of bad blocks", exc)
+        self.stats.add(loaded_blocks=num_good, loaded_bytes=num_good * self.payload_nbytes,
+                       load_errors=len(keys) - num_good)
+        return block_ids, bad, kept, copies

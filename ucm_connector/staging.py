@@ -1,0 +1,97 @@
+"""The CUDA staging ring: device buffers a batch of blocks moves through.
+
+On CUDA, a batch moves in chunks through a small ring of device staging
+slots: an index kernel gathers a chunk's pages into a slot (rows laid out
+exactly like the host rows) while the copy engine moves the previous chunk
+over PCIe, straight into or out of pinned host rows; so a batch costs one
+pass of the PCIe link plus one chunk's gather.
+
+This module owns the slots, the two side streams of a direction (index
+kernels, host copies), the events that order a slot's reuse, and the views
+of a slot shaped like each segment's pages.  It issues no copies of its own
+(``BlockTransfer`` does) and never makes the host wait.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .pages import WORDS, Segment
+from .rows import RowPool
+
+
+def round_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+class StagingRing:
+    """Device staging slots for one direction, with the events that order
+    their reuse; one copy at a time per direction (``lock``).  The strided
+    views of a slot that the index kernels write or read are built once
+    per chunk shape and kept: building them per copy cost more host time
+    than the copy's kernels took (benchmarks/RESULTS.md)."""
+
+    def __init__(self, device: torch.device, slot_nbytes: int, slots: int) -> None:
+        self.device = device
+        self.slot_nbytes = slot_nbytes
+        self.slots = slots
+        self.buffer: torch.Tensor | None = None
+        self.kernel_stream = torch.cuda.Stream(device=device)
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self.filled = [torch.cuda.Event() for _ in range(slots)]
+        self.drained = [torch.cuda.Event() for _ in range(slots)]
+        self.used = [False] * slots
+        self.lock = threading.Lock()
+        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+
+    def fit(self, row_nbytes: int) -> None:
+        if self.slot_nbytes < row_nbytes:   # a block larger than a slot: one block per slot
+            self.slot_nbytes = round_up(row_nbytes, 256)
+            self.buffer = None
+            self._views.clear()
+
+    def rows_per_slot(self, row_nbytes: int) -> int:
+        return max(1, self.slot_nbytes // row_nbytes)
+
+    def chunk(self, k: int, rows: int, word: int, pool: RowPool, segments: list[Segment]
+              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Slot ``k`` holding ``rows`` host rows: as bytes (for the DMA), as
+        words, and each segment's payload columns shaped like its view."""
+        key = (k, rows, word, pool.row_nbytes, pool.payload_offset)
+        views = self._views.get(key)
+        if views is None:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.slot_nbytes * self.slots, dtype=torch.uint8, device=self.device)
+            lo = k * self.slot_nbytes
+            as_bytes = self.buffer[lo:lo + rows * pool.row_nbytes].view(rows, pool.row_nbytes)
+            as_words = as_bytes.view(WORDS[word])
+            views = (as_bytes, as_words, payload_views(as_words, word, pool.payload_offset, segments))
+            if len(self._views) >= 64:    # odd last-chunk sizes: keep it bounded
+                self._views.clear()
+            self._views[key] = views
+        return views
+
+    def issued(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """``(host_done, pages_done)``: events behind all that is queued so
+        far on the copy stream (the host rows are written or read) and on
+        the kernel stream (the pages are read or written)."""
+        host_done = torch.cuda.Event()
+        host_done.record(self.copy_stream)
+        pages_done = torch.cuda.Event()
+        pages_done.record(self.kernel_stream)
+        return host_done, pages_done
+
+
+def payload_views(rows_words: torch.Tensor, word: int, payload_offset: int, segments: list[Segment]
+                  ) -> list[torch.Tensor]:
+    """Each segment's columns of ``[rows, row words]``, shaped
+    ``[rows, *segment dims]`` like the segment's view of the cache."""
+    views = []
+    for segment in segments:
+        col = (payload_offset + segment.offset) // word
+        sizes = segment.inner_sizes[:-1] + [segment.inner_sizes[-1] // word]
+        views.append(rows_words[:, col:col + segment.nbytes // word].unflatten(1, sizes))
+    return views
