@@ -57,7 +57,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError,
                     byte_view, check_batch)
-from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_url
+from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
 from .block_files import BlockFiles, BlockRead, ReadStatus
 from .index import BlockIndex
 from .layout import INDEX_FILE, LOCK_FILE, block_name, is_disk_store
@@ -117,12 +117,7 @@ class DiskStore(KVStore):
     @classmethod
     def from_url(cls, url: str, mode: OpenMode | str = OpenMode.SERVE) -> "DiskStore":
         shown = mask_password(url)
-        parts = split_url(url)
-        if parts.scheme.lower() != "disk":
-            raise StoreOpenError(f"store '{shown}' is not a disk:// URL")
-        if "@" in parts.netloc:
-            raise StoreOpenError(
-                f"store '{shown}': a disk URL takes no user name or password; write it like disk:///var/cache/ucm")
+        parts = split_store_url(url, ("disk",), credentials=False, example="disk:///var/cache/ucm")
         if parts.netloc:
             raise StoreOpenError(
                 f"store '{shown}': a disk URL takes an absolute path after three slashes, like "
