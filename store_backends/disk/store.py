@@ -90,7 +90,8 @@ class _Published:
 
 
 class DiskStore(KVStore):
-    """Blocks as files under one directory; see the package docstring."""
+    """Blocks as files under one directory, ``root`` (absolute); see the
+    package docstring."""
 
     def __init__(self, root: str, *, capacity_nbytes: int | None = None, fsync: bool = False,
                  touch_interval: float = 1.0, url: str | None = None,
