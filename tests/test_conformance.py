@@ -225,6 +225,9 @@ def test_close_is_idempotent(store_url):
     s.put([b"c"], [b"value"])
     s.close()
     s.close()
+    # Neither close lost what the handle had stored.
+    with open_store(store_url) as other:
+        assert other.get([b"c"]) == [b"value"]
 
 
 # -- inspection, for operators: iter_keys, peek, last_used -------------------
