@@ -20,11 +20,10 @@ import sys
 import tempfile
 import uuid
 
+from ucm_testing import RedisCluster, RedisServer
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from servers import RedisCluster, RedisServer  # noqa: E402
 
 TARGETS = {
     # (kind, op) -> minimum store/raw ratio

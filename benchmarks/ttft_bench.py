@@ -592,8 +592,7 @@ def main() -> int:
             elif kind == "disk":
                 url = f"disk://{os.path.join(work, 'disk-store')}?capacity=8GiB"
             else:
-                sys.path.insert(0, os.path.join(ROOT, "tests"))
-                from servers import RedisServer
+                from ucm_testing import RedisServer
 
                 redis_server = RedisServer().start()
                 url = redis_server.url
