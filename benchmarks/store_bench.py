@@ -53,7 +53,7 @@ def main() -> int:
     opts = parser.parse_args()
     os.makedirs(opts.out, exist_ok=True)
 
-    from store_backends.shm_server import stop_server
+    from store_backends import stop_server
 
     disk_parent = tempfile.mkdtemp(prefix="ucm-bench-disk-", dir=opts.disk_dir)
     shm_name = "bench" + uuid.uuid4().hex[:8]

@@ -822,7 +822,7 @@ def main() -> int:
         if redis_server is not None:
             redis_server.cleanup()
         if shm_names:
-            from store_backends.shm_server import stop_server
+            from store_backends import stop_server
 
             for name in shm_names:
                 try:

@@ -26,7 +26,7 @@ def _shm_url(name: str) -> str:
 
 
 def _stop_shm(url: str) -> None:
-    from store_backends.shm_server import stop_server
+    from store_backends import stop_server
 
     stop_server(url.partition("://")[2].partition("?")[0])
 
