@@ -11,7 +11,7 @@ each idle while another runs:
 * ``none``: no connector; vLLM's own prefix cache is reset before every
   request, so each is computed from scratch;
 * ``always`` and ``auto``: UCMConnector on one private redis-server, reached
-  through a bandwidth-limiting TCP proxy on 127.0.0.1 (tests/throttle_proxy.py),
+  through a bandwidth-limiting TCP proxy on 127.0.0.1 (ucm_testing/throttle.py),
   prefix caching off, so every reused token comes from the store.
 
 The break-even store speed is measured first: the KV bytes of a block over
@@ -40,7 +40,6 @@ import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 BLOCK = 128
 
@@ -83,9 +82,7 @@ def block_nbytes(llm) -> int:
 
 
 def measure(opts) -> dict:
-    from e2e_runner import wait_quiet
-    from servers import RedisServer
-    from throttle_proxy import ThrottleProxy
+    from ucm_testing import RedisServer, ThrottleProxy, wait_quiet
 
     P = prompt_tokens(opts.model, opts.prompt_tokens, "argparse.py", 300)
     Q = prompt_tokens(opts.model, 600, "json/decoder.py", 40)

@@ -20,11 +20,10 @@ import sys
 import tempfile
 import uuid
 
+from ucm_testing import RedisCluster, RedisServer
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from servers import RedisCluster, RedisServer  # noqa: E402
 
 TARGETS = {
     # (kind, op) -> minimum store/raw ratio
@@ -54,7 +53,7 @@ def main() -> int:
     opts = parser.parse_args()
     os.makedirs(opts.out, exist_ok=True)
 
-    from store_backends.shm_server import stop_server
+    from store_backends import stop_server
 
     disk_parent = tempfile.mkdtemp(prefix="ucm-bench-disk-", dir=opts.disk_dir)
     shm_name = "bench" + uuid.uuid4().hex[:8]

@@ -592,8 +592,7 @@ def main() -> int:
             elif kind == "disk":
                 url = f"disk://{os.path.join(work, 'disk-store')}?capacity=8GiB"
             else:
-                sys.path.insert(0, os.path.join(ROOT, "tests"))
-                from servers import RedisServer
+                from ucm_testing import RedisServer
 
                 redis_server = RedisServer().start()
                 url = redis_server.url
@@ -823,7 +822,7 @@ def main() -> int:
         if redis_server is not None:
             redis_server.cleanup()
         if shm_names:
-            from store_backends.shm_server import stop_server
+            from store_backends import stop_server
 
             for name in shm_names:
                 try:

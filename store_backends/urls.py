@@ -98,6 +98,25 @@ def split_url(url: str) -> urllib.parse.SplitResult:
     return parts
 
 
+def split_store_url(url: str, schemes: tuple[str, ...], *, credentials: bool = True,
+                    example: str = "") -> urllib.parse.SplitResult:
+    """``split_url(url)`` for a store class that opens the URLs of
+    ``schemes`` (lower case): a URL of another scheme is refused, and so,
+    where ``credentials`` is False, is one with a user name or password;
+    the message names the URL (password masked) and shows ``example``."""
+    parts = split_url(url)
+    scheme = parts.scheme.lower()
+    if scheme not in schemes:
+        names = [f"{s}://" for s in schemes]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise StoreOpenError(f"store '{mask_password(url)}' is not a {listed} URL")
+    if not credentials and "@" in parts.netloc:
+        raise StoreOpenError(
+            f"store '{mask_password(url)}': {scheme}:// URLs take no user name or password; "
+            f"write it like {example}")
+    return parts
+
+
 def _why_malformed(error: str) -> str:
     """What urlsplit's ValueError means, in words that quote nothing of the
     URL: its own texts quote the host part, which can hold a password."""

@@ -25,7 +25,7 @@ os.environ["UCM_SHM_RUNTIME_DIR"] = _SHM_RUNTIME_DIR
 @pytest.fixture(scope="session", autouse=True)
 def _stop_leftover_shm_servers():
     yield
-    from store_backends.shm_server import stop_server
+    from store_backends import stop_server
 
     for pid_file in glob.glob(os.path.join(_SHM_RUNTIME_DIR, "*.pid")):
         name = os.path.basename(pid_file)[: -len(".pid")]

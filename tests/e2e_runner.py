@@ -88,16 +88,8 @@ if ROOT not in sys.path:
 
 # -- store helpers (also imported by the tests) -------------------------------
 
-def count_blocks(url: str) -> int:
-    """Blocks held by the store at ``url`` (namespace manifests not counted)."""
-    from store_backends import open_store
-    from ucm_connector.manifest import is_manifest_key
-
-    store = open_store(url)
-    try:
-        return sum(1 for keys in store.iter_keys() for key in keys if not is_manifest_key(key))
-    finally:
-        store.close()
+# count_blocks and wait_quiet are the benchmarks' too: they live in ucm_testing.
+from ucm_testing import count_blocks, wait_quiet  # noqa: E402,F401
 
 
 def block_files(root: str) -> list[str]:
@@ -112,23 +104,6 @@ def block_files(root: str) -> list[str]:
         out.extend(os.path.join(shard, n) for n in names
                    if len(n) == 32 and all(c in "0123456789abcdef" for c in n))
     return sorted(out)
-
-
-def wait_quiet(url: str, *, min_blocks: int = 0, quiet_s: float = 0.6, timeout_s: float = 60.0) -> int:
-    """Wait until the store holds at least ``min_blocks`` blocks and its
-    block count has not changed for ``quiet_s``."""
-    deadline = time.monotonic() + timeout_s
-    last = count_blocks(url)
-    since = time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = count_blocks(url)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif now >= min_blocks and time.monotonic() - since >= quiet_s:
-            return now
-    raise TimeoutError(f"store {url}: {last} blocks after {timeout_s} s "
-                       f"(waited for >= {min_blocks} and no change for {quiet_s} s)")
 
 
 _TRAILER = struct.Struct("<QI8s")      # store_backends/disk.py: value len, key len, magic
@@ -392,8 +367,7 @@ def main(spec_path: str, out_path: str) -> int:
         text = f.read()
     proxy = None
     if '"throttle_proxy"' in text:
-        sys.path.insert(0, HERE)
-        from throttle_proxy import ThrottleProxy
+        from ucm_testing import ThrottleProxy
 
         upstream = json.loads(text)["throttle_proxy"]["upstream"]
         host, port = upstream.rsplit(":", 1)

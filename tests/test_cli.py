@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 from servers import RedisServer, free_port
-from store_backends import StoreError, open_store
-from store_backends.shm_server import server_running, Paths, stop_server
+from store_backends import StoreError, check_runtime_dir, open_store, server_running, stop_server
 from ucm_connector import blockfmt
 from ucm_connector.config import UCMConfig, UCMConfigError
 from ucm_connector.hashing import BlockHasher, Namespace
@@ -466,22 +465,22 @@ def test_config_check_reads_a_yaml_config_file(tmp_path):
     result = ucm("config", "check", str(path))
     assert result.returncode == 0, result.stderr
     assert "the connector starts one" in result.stdout
-    assert not server_running(Paths("cli-yaml"))
+    assert not server_running("cli-yaml")
 
 
 def test_config_check_says_a_server_connect_shm_store_needs_a_running_server_and_starts_none(unique_name):
     result = ucm("config", "check", json.dumps({"store": f"shm://{unique_name}?server=connect"}))
     assert result.returncode == 1
     assert "server=connect does not start one" in result.stderr
-    assert not server_running(Paths(unique_name))
+    assert not server_running(unique_name)
 
 
 def test_inspecting_an_shm_store_with_no_server_starts_none(unique_name):
     for args in (["store", "stats", f"shm://{unique_name}"], ["store", "verify", f"shm://{unique_name}"]):
         result = ucm(*args)
         assert_one_line_error(result, "no shm server is running", "ucm shm list")
-    assert not server_running(Paths(unique_name))
-    assert not [n for n in os.listdir(Paths(unique_name).rundir) if n.startswith(unique_name + ".")]
+    assert not server_running(unique_name)
+    assert not [n for n in os.listdir(check_runtime_dir()) if n.startswith(unique_name + ".")]
 
 
 @pytest.mark.parametrize("extra", [
@@ -549,10 +548,10 @@ def test_shm_status_and_stop(unique_name):
         assert json.loads(status.stdout)["num_blocks"] == 2
         assert unique_name in ucm("shm", "list").stdout
         declined = ucm("shm", "stop", unique_name, input="n\n")
-        assert declined.returncode == 1 and server_running(Paths(unique_name))
+        assert declined.returncode == 1 and server_running(unique_name)
         stopped = ucm("shm", "stop", unique_name, "--yes")
         assert stopped.returncode == 0
-        assert not server_running(Paths(unique_name))
+        assert not server_running(unique_name)
         assert ucm("shm", "status", unique_name).returncode == 2
     finally:
         stop_server(unique_name)
@@ -571,7 +570,7 @@ def test_shm_names_starting_with_a_dash_are_names_not_options(unique_name):
         assert f"shm://{name} " in ucm("shm", "list").stdout
         stopped = ucm("shm", "stop", name, "--yes")
         assert stopped.returncode == 0, stopped.stderr
-        assert not server_running(Paths(name))
+        assert not server_running(name)
     finally:
         stop_server(name)
 

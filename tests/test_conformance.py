@@ -26,7 +26,7 @@ def _shm_url(name: str) -> str:
 
 
 def _stop_shm(url: str) -> None:
-    from store_backends.shm_server import stop_server
+    from store_backends import stop_server
 
     stop_server(url.partition("://")[2].partition("?")[0])
 
@@ -225,6 +225,9 @@ def test_close_is_idempotent(store_url):
     s.put([b"c"], [b"value"])
     s.close()
     s.close()
+    # Neither close lost what the handle had stored.
+    with open_store(store_url) as other:
+        assert other.get([b"c"]) == [b"value"]
 
 
 # -- inspection, for operators: iter_keys, peek, last_used -------------------

@@ -417,7 +417,7 @@ def engines(tmp_path_factory, request):
     print(f"\ne2e engine runs: {eng.cleanup_summary()}")
     redis.cleanup()
     full_redis.cleanup()
-    from store_backends.shm_server import stop_server
+    from store_backends import stop_server
 
     stop_server(shm_name)
 

@@ -22,10 +22,16 @@ def test_vllm_resolves_the_name_through_its_plugin_loader():
 
 
 def test_registering_twice_is_harmless():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
     from ucm_connector.plugin import register
 
     register()
     register()
+    config = KVTransferConfig(kv_connector="UCMConnector", kv_role="kv_both")
+    cls = KVConnectorFactory.get_connector_class(config)
+    assert cls.__module__ == "ucm_connector.connector" and cls.__name__ == "UCMConnector"
 
 
 def test_the_module_path_form_resolves_the_same_class():

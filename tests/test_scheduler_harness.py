@@ -20,7 +20,7 @@ BS = 16
 
 
 def _stop_shm(name: str) -> None:
-    from store_backends.shm_server import stop_server
+    from store_backends import stop_server
 
     try:
         stop_server(name)

@@ -40,7 +40,9 @@ class _RequestState:
     request: Any
     keys: RequestKeys | None
     block_ids: list[int] = dataclasses.field(default_factory=list)
-    num_stored_blocks: int = 0      # leading blocks known to be in the store
+    # Leading blocks found in the store or planned to be saved (a save may
+    # still fail or be skipped): blocks below it are not planned again.
+    num_stored_blocks: int = 0
     # (blocks asked, preemptions so far, blocks found): a lookup is reused
     # while the request waits, not after it was preempted (it may have
     # saved blocks since).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Sequence
+from typing import Callable, Sequence
 
 ALL_OPS = ("put", "get", "contains", "prefix_len")
 DEFAULT_OPS = "put,get,contains,prefix_len"
@@ -63,24 +63,24 @@ class UsageError(Exception):
     """Bad arguments found after parsing; exit status 2."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
+def _whole_number(minimum: int, rule: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum``; ``rule``
+    says what the smaller ones break."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} {rule}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} must not be negative")
-    return value
+_positive_int = _whole_number(1, "must be at least 1")
+_non_negative_int = _whole_number(0, "must not be negative")
 
 
 def _ops(text: str) -> list[str]:

@@ -3,9 +3,10 @@
 Owns the plain way to move the same blocks through the medium a store sits
 on: ``memcpy`` into /dev/shm for ``shm://``, plain files for ``disk://``,
 plain redis-py for Redis and Redis Cluster (``open_raw`` picks one from the
-URL).  Must not use the store's code or know its internals: a baseline that
-shares the store's code measures nothing.  Everything it writes is under
-names of its own and removed again.
+URL).  Must not move bytes with the store's code or know its internals: a
+baseline that shares the store's code measures nothing.  A cluster URL is
+read with the Redis store's own parser, so that both reach the same nodes.
+Everything it writes is under names of its own and removed again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import urllib.parse
 import numpy as np
 
 from store_backends import KVStore, mask_password, url_scheme
+from store_backends.urls import parse_bool, split_url
 
 from .buffers import aligned_empty
 
@@ -225,30 +227,21 @@ def _redis_client(url: str):
 def _redis_cluster_client(url: str):
     from redis.cluster import ClusterNode, RedisCluster
 
-    parts = urllib.parse.urlsplit(url)
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    username = password = None
-    if userinfo:
-        user, _, pw = userinfo.partition(":")
-        username = urllib.parse.unquote(user) or None
-        password = urllib.parse.unquote(pw) if pw else None
-    nodes = []
-    for host_port in filter(None, hosts.split(",")):
-        host, _, port = host_port.rpartition(":")
-        nodes.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port or 6379)))
+    from store_backends.redis.options import cluster_seeds
+
+    parts = split_url(url)
+    seeds = cluster_seeds(url, parts.netloc)
     options = dict(urllib.parse.parse_qsl(parts.query))
-    ssl = options.get("ssl", "").lower() in ("1", "true", "yes", "on")
-    return RedisCluster(startup_nodes=nodes, username=username, password=password, ssl=ssl,
+    ssl = parse_bool(options.get("ssl", "false"), url=url, name="ssl")
+    return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in seeds.nodes],
+                        username=seeds.username, password=seeds.password, ssl=ssl,
                         socket_connect_timeout=5, socket_timeout=30)
 
 
-def _disk_directory(url: str, store: KVStore) -> str | None:
-    for attr in ("root", "directory", "path", "dir"):
-        value = getattr(store, attr, None)
-        if isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
-            return os.fspath(value)
-    path = urllib.parse.unquote(urllib.parse.urlsplit(url).path)
-    return path if path and os.path.isdir(path) else None
+def _disk_directory(store: KVStore) -> str | None:
+    """The directory a ``disk://`` store keeps its files in: ``DiskStore.root``."""
+    root = getattr(store, "root", None)
+    return root if isinstance(root, str) and os.path.isdir(root) else None
 
 
 def open_raw(urls: list[str], store: KVStore, values: np.ndarray, dest: np.ndarray,
@@ -261,7 +254,7 @@ def open_raw(urls: list[str], store: KVStore, values: np.ndarray, dest: np.ndarr
     if scheme == "shm":
         return MemcpyRaw(values, dest), ""
     if scheme == "disk":
-        directory = _disk_directory(url, store)
+        directory = _disk_directory(store)
         if directory is None:
             return None, f"n/a: could not tell which directory {mask_password(url)} uses"
         return FileRaw(directory, values, dest), ""

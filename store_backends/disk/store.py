@@ -53,12 +53,12 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError,
                     byte_view, check_batch)
-from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_url
-from .block_files import BlockFiles, ReadStatus
+from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
+from .block_files import BlockFiles, BlockRead, ReadStatus
 from .index import BlockIndex
 from .layout import INDEX_FILE, LOCK_FILE, block_name, is_disk_store
 
@@ -90,7 +90,8 @@ class _Published:
 
 
 class DiskStore(KVStore):
-    """Blocks as files under one directory; see the package docstring."""
+    """Blocks as files under one directory, ``root`` (absolute); see the
+    package docstring."""
 
     def __init__(self, root: str, *, capacity_nbytes: int | None = None, fsync: bool = False,
                  touch_interval: float = 1.0, url: str | None = None,
@@ -117,12 +118,7 @@ class DiskStore(KVStore):
     @classmethod
     def from_url(cls, url: str, mode: OpenMode | str = OpenMode.SERVE) -> "DiskStore":
         shown = mask_password(url)
-        parts = split_url(url)
-        if parts.scheme.lower() != "disk":
-            raise StoreOpenError(f"store '{shown}' is not a disk:// URL")
-        if "@" in parts.netloc:
-            raise StoreOpenError(
-                f"store '{shown}': a disk URL takes no user name or password; write it like disk:///var/cache/ucm")
+        parts = split_store_url(url, ("disk",), credentials=False, example="disk:///var/cache/ucm")
         if parts.netloc:
             raise StoreOpenError(
                 f"store '{shown}': a disk URL takes an absolute path after three slashes, like "
@@ -405,60 +401,46 @@ class DiskStore(KVStore):
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         check_batch(keys, buffers, "buffers")
-        with self._lock:
-            self._check_open()
-        results = [False] * len(keys)
-        hits: list[bytes] = []
-        bad: list[tuple[bytes, int | None]] = []
-        corrupt = 0
-        for i, (key, buffer) in enumerate(zip(keys, buffers)):
-            key = bytes(key)
-            read = self._files.read_into(key, byte_view(buffer, writable=True))
-            if read.status is ReadStatus.HIT:
-                results[i] = True
-                hits.append(key)
-            elif read.status is ReadStatus.CORRUPT:
-                corrupt += 1
-                bad.append((key, read.inode))
-            elif read.status is ReadStatus.GONE and key in self._index.present:
-                bad.append((key, None))
-        self._after_reads(len(keys), hits, bad, corrupt)
-        return results
+        reads = self._read_each(keys, lambda i, key: self._files.read_into(key, byte_view(buffers[i], writable=True)))
+        return [read.status is ReadStatus.HIT for read in reads]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         check_batch(keys)
+        reads = self._read_each(keys, lambda _i, key: self._files.read(key))
+        return [read.value if read.status is ReadStatus.HIT else None for read in reads]
+
+    def _read_each(self, keys: Sequence[bytes], read_one: Callable[[int, bytes], BlockRead]) -> list[BlockRead]:
+        """``read_one(position, key)`` for each key, then what the reads
+        found: damaged files and rows without a file are dropped, hits and
+        misses counted, and the hits noted as uses."""
         with self._lock:
             self._check_open()
-        results: list[bytes | None] = [None] * len(keys)
+        reads: list[BlockRead] = []
         hits: list[bytes] = []
         bad: list[tuple[bytes, int | None]] = []
         corrupt = 0
         for i, key in enumerate(keys):
             key = bytes(key)
-            read = self._files.read(key)
+            read = read_one(i, key)
+            reads.append(read)
             if read.status is ReadStatus.HIT:
-                results[i] = read.value
                 hits.append(key)
             elif read.status is ReadStatus.CORRUPT:
                 corrupt += 1
                 bad.append((key, read.inode))
             elif read.status is ReadStatus.GONE and key in self._index.present:
                 bad.append((key, None))
-        self._after_reads(len(keys), hits, bad, corrupt)
-        return results
-
-    def _after_reads(self, num_keys: int, hits: list[bytes], bad: list[tuple[bytes, int | None]],
-                     corrupt: int) -> None:
         if bad:
             self._drop_bad(bad)
         with self._lock:
             counts = self._counts
-            counts["gets"] += num_keys
+            counts["gets"] += len(keys)
             counts["hits"] += len(hits)
-            counts["misses"] += num_keys - len(hits)
+            counts["misses"] += len(keys) - len(hits)
             counts["corrupt"] += corrupt
             if not self._closed:
                 self._index.touch_and_flush_if_due(hits)
+        return reads
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         check_batch(keys)

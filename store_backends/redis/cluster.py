@@ -23,7 +23,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..base import OpenMode, StoreOpenError, StoreStats, StoreUnavailableError
-from ..urls import mask_password, parse_bool, query_options, split_url
+from ..urls import mask_password, parse_bool, query_options, split_store_url
 from . import internals, resp
 from .errors import CLUSTER_OPEN_ERRORS, cluster_open_message
 from .options import (COMMON_OPTIONS, DEFAULT_NAMESPACE, DEFAULT_TIMEOUT_S, SSL_OPTIONS, cluster_seeds,
@@ -79,9 +79,7 @@ class RedisClusterStore(RedisStoreBase):
         modes open exactly that (see ``RedisStore.from_url``)."""
         OpenMode(mode)
         masked = mask_password(url)
-        parts = split_url(url)
-        if parts.scheme.lower() != "redis-cluster":
-            raise StoreOpenError(f"store '{masked}': RedisClusterStore opens redis-cluster:// URLs")
+        parts = split_store_url(url, ("redis-cluster",))
         path = parts.path
         if path.strip("/") not in ("", "0"):
             raise StoreOpenError(

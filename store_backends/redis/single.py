@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..base import OpenMode, StoreOpenError, StoreStats
-from ..urls import mask_password, query_options, split_url
+from ..urls import mask_password, query_options, split_store_url
 from . import internals, resp
 from .errors import ping
 from .options import (COMMON_OPTIONS, DEFAULT_NAMESPACE, DEFAULT_TIMEOUT_S, SSL_OPTIONS, common_options, host_port,
@@ -51,10 +51,8 @@ class RedisStore(RedisStoreBase):
         so ``inspect`` too opens only a Redis that is there."""
         OpenMode(mode)
         masked = mask_password(url)
-        parts = split_url(url)
+        parts = split_store_url(url, ("redis", "rediss", "unix"))
         scheme = parts.scheme.lower()
-        if scheme not in ("redis", "rediss", "unix"):
-            raise StoreOpenError(f"store '{masked}': RedisStore opens redis://, rediss:// and unix:// URLs")
         allowed = set(COMMON_OPTIONS)
         if scheme == "rediss":
             allowed |= SSL_OPTIONS

@@ -36,6 +36,27 @@ def _byte_view(obj: object, writable: bool = False) -> memoryview | bytes:
     return byte_view(obj, writable)
 
 
+def _per_key(keys: Sequence[bytes], reply: Callable[[resp.Reader, int], object]
+             ) -> Callable[[resp.Reader, list[int] | None], list[int]]:
+    """The ``read`` of an exchange of one command per key: ``reply(reader,
+    i)`` takes the reply for ``keys[i]``.  An error reply leaves key ``i`` as
+    it is (not stored, not found: the server refused this key, which is not
+    the caller's crash); one that says the slot lives elsewhere puts ``i``
+    among the positions to send again."""
+
+    def read(reader: resp.Reader, positions: list[int] | None) -> list[int]:
+        redirected = []
+        for i in range(len(keys)) if positions is None else positions:
+            try:
+                reply(reader, i)
+            except resp.ReplyError as exc:
+                if resp.is_redirect(exc):
+                    redirected.append(i)
+        return redirected
+
+    return read
+
+
 class RedisStoreBase(KVStore):
     """What single Redis and Redis Cluster share: key naming, the batched
     wire exchange, counters, error translation."""
@@ -130,13 +151,17 @@ class RedisStoreBase(KVStore):
                 pool.release(conn)
         return redirected
 
-    def _run(self, keys: Sequence[bytes], build, read) -> None:
-        """One exchange, and one more for keys the cluster redirected, both
-        within the call's timeout.  A key still redirected after the slot
-        map was reloaded (ASK, during a slot migration), or when no new map
-        came in time, counts as not stored / not found this time."""
-        deadline = self._deadline()
-        redirected = self._exchange(self._groups(keys, None), build, read, deadline)
+    def _run(self, keys: Sequence[bytes], build, read, positions: list[int] | None = None,
+             deadline: float | None = None) -> None:
+        """One exchange for the keys at ``positions`` (``None``: all), and
+        one more for keys the cluster redirected, both by ``deadline``
+        (default: the call's timeout from now).  A key still redirected
+        after the slot map was reloaded (ASK, during a slot migration), or
+        when no new map came in time, counts as not stored / not found this
+        time."""
+        if deadline is None:
+            deadline = self._deadline()
+        redirected = self._exchange(self._groups(keys, positions), build, read, deadline)
         if redirected and self._after_redirect(deadline):
             self._exchange(self._groups(keys, redirected), build, read, deadline)
 
@@ -170,20 +195,13 @@ class RedisStoreBase(KVStore):
             chunks.append(b"".join(small))
             return chunks
 
-        def read(reader: resp.Reader, positions: list[int] | None) -> list[int]:
-            redirected = []
-            for i in range(len(keys)) if positions is None else positions:
-                try:
-                    reader.status()
-                    ok[i] = True
-                except resp.ReplyError as exc:
-                    # OOM (noeviction and full) and anything else the server
-                    # refuses for this key: not stored, and not the caller's crash.
-                    if resp.is_redirect(exc):
-                        redirected.append(i)
-            return redirected
+        def was_set(reader: resp.Reader, i: int) -> None:
+            # An error reply (OOM under noeviction when full, or anything
+            # else the server refuses for this key) leaves it not stored.
+            reader.status()
+            ok[i] = True
 
-        self._run(keys, build, read)
+        self._run(keys, build, _per_key(keys, was_set))
         stored = sum(ok)
         with self._lock:
             self._counts["puts"] += stored
@@ -197,25 +215,17 @@ class RedisStoreBase(KVStore):
         views = [_byte_view(b, writable=True) for b in buffers]
         ok = [False] * len(keys)
 
-        def read(reader: resp.Reader, positions: list[int] | None) -> list[int]:
-            redirected = []
-            for i in range(len(keys)) if positions is None else positions:
-                try:
-                    n = reader.bulk_len()
-                except resp.ReplyError as exc:
-                    if resp.is_redirect(exc):
-                        redirected.append(i)
-                    continue
-                if n < 0:
-                    continue
-                if n == len(views[i]):
-                    reader.bulk_into(views[i], n)  # type: ignore[arg-type]
-                    ok[i] = True
-                else:
-                    reader.skip(n + 2)
-            return redirected
+        def copied(reader: resp.Reader, i: int) -> None:
+            n = reader.bulk_len()
+            if n < 0:
+                return
+            if n == len(views[i]):
+                reader.bulk_into(views[i], n)  # type: ignore[arg-type]
+                ok[i] = True
+            else:
+                reader.skip(n + 2)
 
-        self._run(keys, lambda positions: self._pack(resp.GET, keys, positions), read)
+        self._run(keys, lambda positions: self._pack(resp.GET, keys, positions), _per_key(keys, copied))
         self._count_gets(len(keys), sum(ok))
         return ok
 
@@ -225,20 +235,12 @@ class RedisStoreBase(KVStore):
             return []
         out: list[bytes | None] = [None] * len(keys)
 
-        def read(reader: resp.Reader, positions: list[int] | None) -> list[int]:
-            redirected = []
-            for i in range(len(keys)) if positions is None else positions:
-                try:
-                    n = reader.bulk_len()
-                except resp.ReplyError as exc:
-                    if resp.is_redirect(exc):
-                        redirected.append(i)
-                    continue
-                if n >= 0:
-                    out[i] = reader.bulk_bytes(n)
-            return redirected
+        def value(reader: resp.Reader, i: int) -> None:
+            n = reader.bulk_len()
+            if n >= 0:
+                out[i] = reader.bulk_bytes(n)
 
-        self._run(keys, lambda positions: self._pack(resp.GET, keys, positions), read)
+        self._run(keys, lambda positions: self._pack(resp.GET, keys, positions), _per_key(keys, value))
         self._count_gets(len(keys), sum(v is not None for v in out))
         return out
 
@@ -252,6 +254,11 @@ class RedisStoreBase(KVStore):
     def _contains_at(self, keys: Sequence[bytes], positions: list[int] | None, found: list[bool],
                      deadline: float | None = None) -> None:
         """Fill ``found`` at ``positions`` (``None``: all) with one EXISTS per key."""
+
+        def exists(reader: resp.Reader, i: int) -> None:
+            found[i] = reader.integer() > 0
+
+        one_by_one = _per_key(keys, exists)
 
         def read(reader: resp.Reader, positions: list[int] | None) -> list[int]:
             # Nearly always every reply is ":0\r\n" or ":1\r\n"; check that in
@@ -268,38 +275,17 @@ class RedisStoreBase(KVStore):
                     for i, flag in zip(positions, flags):
                         found[i] = flag
                 return []
-            redirected = []
-            for i in range(len(keys)) if positions is None else positions:
-                try:
-                    found[i] = reader.integer() > 0
-                except resp.ReplyError as exc:
-                    if resp.is_redirect(exc):
-                        redirected.append(i)
-            return redirected
+            return one_by_one(reader, positions)
 
-        build = (lambda positions: self._pack(resp.EXISTS, keys, positions))
-        if deadline is None:
-            deadline = self._deadline()
-        redirected = self._exchange(self._groups(keys, positions), build, read, deadline)
-        if redirected and self._after_redirect(deadline):
-            self._exchange(self._groups(keys, redirected), build, read, deadline)
+        self._run(keys, lambda positions: self._pack(resp.EXISTS, keys, positions), read, positions, deadline)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         self._check(keys)
         if not keys:
             return
 
-        def read(reader: resp.Reader, positions: list[int] | None) -> list[int]:
-            redirected = []
-            for i in range(len(keys)) if positions is None else positions:
-                try:
-                    reader.status()
-                except resp.ReplyError as exc:
-                    if resp.is_redirect(exc):
-                        redirected.append(i)
-            return redirected
-
-        self._run(keys, lambda positions: self._pack(resp.DEL, keys, positions), read)
+        self._run(keys, lambda positions: self._pack(resp.DEL, keys, positions),
+                  _per_key(keys, lambda reader, _i: reader.status()))
 
     # -- inspection (ucm store ...) --------------------------------------
     def _scan_clients(self) -> list[redis_py.Redis]:
@@ -371,32 +357,37 @@ class RedisStoreBase(KVStore):
             n = reader.bulk_len()
             return None if n < 0 else reader.bulk_bytes(n)
 
+        integer = resp.Reader.integer
+        steps = [bulk] if nbytes is None else [integer, integer] + ([bulk] if nbytes else [])
+
+        def peeked(reader: resp.Reader, i: int) -> None:
+            # Every reply of the key is read, an error reply or not, so that
+            # the next key's replies start where they should; then the key
+            # counts as redirected if any of its replies said so.
+            replies = []
+            error: resp.ReplyError | None = None
+            for step in steps:
+                try:
+                    replies.append(step(reader))
+                except resp.ReplyError as exc:
+                    if error is None or resp.is_redirect(exc):
+                        error = exc
+            if error is not None:
+                raise error
+            if nbytes is None:
+                if replies[0] is not None:
+                    out[i] = (len(replies[0]), replies[0])
+            elif replies[0]:
+                data = replies[2] if nbytes else b""
+                if data is not None:
+                    out[i] = (replies[1], data)
+
+        each_key = _per_key(keys, peeked)
+
         def read(reader: resp.Reader, positions: list[int] | None) -> list[int]:
-            redirected = []
-            resp.ignore_error(reader.status)
-            integer = resp.Reader.integer
-            steps = [bulk] if nbytes is None else [integer, integer] + ([bulk] if nbytes else [])
-            for i in range(len(keys)) if positions is None else positions:
-                replies = []
-                moved = failed = False
-                for step in steps:
-                    try:
-                        replies.append(step(reader))
-                    except resp.ReplyError as exc:
-                        moved = moved or resp.is_redirect(exc)
-                        failed = True
-                if moved:
-                    redirected.append(i)
-                elif failed:
-                    continue
-                elif nbytes is None:
-                    if replies[0] is not None:
-                        out[i] = (len(replies[0]), replies[0])
-                elif replies[0]:
-                    data = replies[2] if nbytes else b""
-                    if data is not None:
-                        out[i] = (replies[1], data)
-            resp.ignore_error(reader.status)
+            resp.ignore_error(reader.status)   # CLIENT NO-TOUCH ON
+            redirected = each_key(reader, positions)
+            resp.ignore_error(reader.status)   # CLIENT NO-TOUCH OFF
             return redirected
 
         self._run(keys, build, read)
@@ -411,22 +402,14 @@ class RedisStoreBase(KVStore):
         idle: list[int | None] = [None] * len(keys)
         now = time.time()
 
-        def read(reader: resp.Reader, positions: list[int] | None) -> list[int]:
-            redirected = []
-            for i in range(len(keys)) if positions is None else positions:
-                try:
-                    line = reader.head()
-                except resp.ReplyError as exc:
-                    if resp.is_redirect(exc):
-                        redirected.append(i)
-                    continue
-                if line[:1] == b":":
-                    idle[i] = int(line[1:])
-                elif line[:1] == b"$" and line != b"$-1":
-                    reader.skip(int(line[1:]) + 2)
-            return redirected
+        def idle_time(reader: resp.Reader, i: int) -> None:
+            line = reader.head()
+            if line[:1] == b":":
+                idle[i] = int(line[1:])
+            elif line[:1] == b"$" and line != b"$-1":
+                reader.skip(int(line[1:]) + 2)
 
-        self._run(keys, lambda positions: self._pack(resp.IDLETIME, keys, positions), read)
+        self._run(keys, lambda positions: self._pack(resp.IDLETIME, keys, positions), _per_key(keys, idle_time))
         return [None if s is None else now - s for s in idle]
 
     def _count_gets(self, num_keys: int, num_hits: int) -> None:

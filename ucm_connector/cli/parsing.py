@@ -162,10 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    store = groups.add_parser("store", help="inspect, verify and clear a KV store",
-                              description="Inspect, verify and clear a KV store given by its URL.",
-                              formatter_class=_Formatter)
-    store_cmds = store.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    def group(name: str, summary: str, text: str) -> argparse._SubParsersAction:
+        """A command group (``ucm store ...``) and its subcommands."""
+        parser = groups.add_parser(name, help=summary, description=text, formatter_class=_Formatter)
+        return parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+
+    store_cmds = group("store", "inspect, verify and clear a KV store",
+                       "Inspect, verify and clear a KV store given by its URL.")
     p = sub(store_cmds, "stats", cmd_store_stats, "blocks, bytes and last use per namespace",
             "Walk every key of the store, read each block's 64-byte header (not the whole block), and\n"
             "report per namespace: blocks, bytes, oldest and newest use (where the store keeps them:\n"
@@ -205,10 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yes", "-y", action="store_true", help="do not ask")
     _add_progress(p)
 
-    config = groups.add_parser("config", help="check a connector configuration; print the reference",
-                               description="Check connector configurations; print the configuration reference.",
-                               formatter_class=_Formatter)
-    config_cmds = config.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    config_cmds = group("config", "check a connector configuration; print the reference",
+                        "Check connector configurations; print the configuration reference.")
     p = sub(config_cmds, "check", cmd_config_check, "validate a connector configuration",
             "Validate a connector configuration without starting vLLM, with the messages the\n"
             "connector gives at start-up. CONFIG is a YAML file of kv_connector_extra_config keys\n"
@@ -226,12 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/configuration.md is this output.",
         "  ucm config reference > docs/configuration.md")
 
-    shm = groups.add_parser("shm", help="list, inspect and stop shm:// servers",
-                            description="Manage the index servers of shm:// stores. Each shm://NAME store lives "
-                                        "in a /dev/shm segment owned by one server process per NAME and host; "
-                                        "its blocks last as long as the server.",
-                            formatter_class=_Formatter)
-    shm_cmds = shm.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    shm_cmds = group("shm", "list, inspect and stop shm:// servers",
+                     "Manage the index servers of shm:// stores. Each shm://NAME store lives in a /dev/shm "
+                     "segment owned by one server process per NAME and host; its blocks last as long as the "
+                     "server.")
     p = sub(shm_cmds, "list", cmd_shm_list, "running shm:// servers",
             "List the shm:// servers running in the runtime directory, with their blocks and use.",
             "  ucm shm list")
