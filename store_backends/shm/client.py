@@ -59,7 +59,7 @@ import numpy as np
 
 from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError,
                     byte_view)
-from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_url
+from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
 from . import admin
 from .connection import NoAnswer, ServerConnection
 from .launch import ServerSettings
@@ -160,12 +160,7 @@ class ShmStore(KVStore):
         starts a server as the URL's ``server`` option says; ``INSPECT`` never
         does, and raises ``ShmServerNotRunning`` when none runs."""
         masked = mask_password(url)
-        parts = split_url(url)
-        if parts.scheme.lower() != "shm":
-            raise StoreOpenError(f"store '{masked}' is not an shm:// URL")
-        if "@" in parts.netloc:
-            raise StoreOpenError(f"store '{masked}': an shm:// URL takes no user name or password; write it as "
-                                 f"shm://NAME?capacity=4GiB")
+        parts = split_store_url(url, ("shm",), credentials=False, example="shm://NAME?capacity=4GiB")
         name = parts.netloc
         if parts.path not in ("", "/") or not name:
             raise StoreOpenError(f"store '{masked}': write it as shm://NAME?capacity=4GiB (NAME: letters, "
