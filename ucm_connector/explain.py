@@ -1,8 +1,13 @@
 """``ucm explain``: why a prompt would (partly) miss the store, block by block.
 
-Owns the command's arguments, its report (text and JSON) and its exit
-status; ``ucm`` registers it as a command (``SUMMARY``, ``HELP``,
-``add_arguments``, ``run``).
+Owns the command's arguments, its exit status and the explanation's
+course (open the store, look the prompt up under every namespace, choose
+the one that is this engine's); ``ucm`` registers it as a command
+(``SUMMARY``, ``HELP``, ``add_arguments``, ``run``).  The pieces it puts
+together: ``explain_prompt`` (the prompt's token ids, the model's
+fingerprint), ``explain_lookup`` (namespaces from manifests, what each
+holds of the prompt), ``explain_reasons`` (the first miss and its reason)
+and ``explain_report`` (the report, as text or JSON).
 
 It tokenises a prompt as vLLM would (the model's tokenizer, special tokens
 added for a completion prompt; the chat template on request), finds every
@@ -20,7 +25,7 @@ KV layout, block size, geometry, TP size); the store holds nothing for this
 model; or the prompt diverges there from everything stored.
 
 What it must not do: import vLLM or torch (``transformers`` is imported
-inside ``run``, only to tokenise text), change the store (it is opened with
+when the command runs, only to tokenise text), change the store (it is opened with
 ``OpenMode.INSPECT``: nothing is evicted, no server is started; keys are
 listed and asked ``contains``, manifests are peeked), or print a password
 (store URLs are masked; cache_salt values are never printed).
@@ -28,14 +33,6 @@ listed and asked ``contains``, manifests are peeked), or print a password
 It sees a namespace only through its manifest, which every saving engine
 rank writes when it starts; blocks whose manifest is gone are not looked at
 (``ucm store stats`` lists them by digest).
-
-This module owns the command line, the exit status and the explanation's
-course: open the store, look the prompt up under every namespace, choose
-the one that is this engine's.  The pieces it puts together:
-``explain_prompt`` (the prompt's token ids, the model's fingerprint),
-``explain_lookup`` (namespaces from manifests, what each holds of the
-prompt), ``explain_reasons`` (the first miss and its reason) and
-``explain_report`` (the report as text or JSON).
 """
 
 from __future__ import annotations
@@ -44,15 +41,16 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from store_backends import OpenMode, mask_password, open_store
 
 from .cli.output import EXIT_OK, EXIT_PROBLEMS, UserError, plural
-from .explain_lookup import Deployment, differences, find_deployments, look_up, namespace_fields
-from .explain_prompt import model_identity, prompt_token_ids
-from .explain_reasons import conclude
-from .explain_report import Findings, Report
 from .hashing import adapter_files
+
+if TYPE_CHECKING:
+    from .explain_lookup import Deployment
+    from .explain_report import Report
 
 SUMMARY = "why a prompt would (partly) miss the store, block by block"
 
@@ -216,6 +214,13 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 def explain(args: argparse.Namespace) -> Report:
     """Open the store read-only and build the report (no output)."""
+    # Imported here, not above: ``ucm``'s parser imports this module to
+    # register the command, and these import ``ucm_connector.cli``.
+    from .explain_lookup import differences, find_deployments, look_up, namespace_fields
+    from .explain_prompt import model_identity, prompt_token_ids
+    from .explain_reasons import conclude
+    from .explain_report import Findings
+
     namespace_prefix = _check_args(args)
     urls = [url.strip() for url in args.store]
     shown = ", ".join(mask_password(url) for url in urls)
