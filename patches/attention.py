@@ -79,6 +79,48 @@ def _plain_decoder(impl: Any, key: Any, md: Any) -> bool:
             and md.causal is True)
 
 
+def _hooked_forward(original: Callable, *, declines: Callable[[Any, Any], bool],
+                   key_pages: Callable[[Any, Any, Any], KeyPages | None],
+                   fix_up: Callable[[Any, Any, Any, Any, Any], None]) -> Callable:
+    """A backend impl's ``forward`` that hands plain decoder calls to the
+    method; what differs between backends comes in as functions:
+
+    * ``declines(impl, md)``: metadata this backend's hook does not handle
+      (vLLM's forward runs untouched);
+    * ``key_pages(impl, layer, kv_cache)``: the ``KeyPages`` of the layer's
+      cache, or None where its packing cannot be read;
+    * ``fix_up(impl, layer, query, dense_md, md)``: bring what the backend
+      derives from the lengths up to date in ``md``, the copy that carries
+      the selection (``dense_md`` is vLLM's own, unchanged).
+    """
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        hooks = _core.hooks
+        md = attn_metadata
+        if hooks is None or not _plain_decoder(self, key, md) or declines(self, md):
+            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        batch = _batch(self, layer, query, key, kv_cache, md, kv_cache.shape[2], key_pages(self, layer, kv_cache))
+        selection = hooks.before_attention(batch)
+        if selection is not None:
+            md = copy.copy(md)
+            md.block_table = selection.block_table
+            md.seq_lens = selection.seq_lens
+            fix_up(self, layer, query, attn_metadata, md)
+        try:
+            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        finally:
+            hooks.after_attention(batch, selection)
+
+    return forward
+
+
+def _forward_patch(name: str, module: str, owner: str, *, declines, key_pages, fix_up,
+                   check_more: Callable[[Any], list[str]]) -> Patch:
+    """The patch of one backend impl's ``forward`` with ``_hooked_forward``."""
+    return Patch(name=name, module=module, owner=owner, attr="forward", params=_FORWARD_PARAMS,
+                 make=functools.partial(_hooked_forward, declines=declines, key_pages=key_pages, fix_up=fix_up),
+                 check_more=check_more)
+
+
 # -- CPU_ATTN -------------------------------------------------------------------
 
 class _CpuSchedule:
@@ -113,29 +155,18 @@ class _CpuSchedule:
         cls.md = cls.lens = cls.value = None
 
 
-def _make_cpu_forward(original: Callable) -> Callable:
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        hooks = _core.hooks
-        md = attn_metadata
-        if (hooks is None or not _plain_decoder(self, key, md) or md.dynamic_causal is not None
-                or md.encoder_cache is not None):
-            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
-        from .cpu_pages import key_pages
+def _cpu_declines(impl: Any, md: Any) -> bool:
+    return md.dynamic_causal is not None or md.encoder_cache is not None
 
-        pages = key_pages(kv_cache, layer.isa, self.head_size, self.kv_cache_dtype)
-        batch = _batch(self, layer, query, key, kv_cache, md, kv_cache.shape[2], pages)
-        selection = hooks.before_attention(batch)
-        if selection is not None:
-            md = copy.copy(md)
-            md.block_table = selection.block_table
-            md.seq_lens = selection.seq_lens
-            md.scheduler_metadata = _CpuSchedule.get(self, layer, query, attn_metadata, selection.seq_lens)
-        try:
-            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
-        finally:
-            hooks.after_attention(batch, selection)
 
-    return forward
+def _cpu_pages(impl: Any, layer: Any, kv_cache) -> KeyPages | None:
+    from .cpu_pages import key_pages
+
+    return key_pages(kv_cache, layer.isa, impl.head_size, impl.kv_cache_dtype)
+
+
+def _cpu_fix_up(impl: Any, layer: Any, query, dense_md: Any, md: Any) -> None:
+    md.scheduler_metadata = _CpuSchedule.get(impl, layer, query, dense_md, md.seq_lens)
 
 
 def _check_cpu(owner: Any) -> list[str]:
@@ -164,15 +195,9 @@ def _check_cpu(owner: Any) -> list[str]:
     return problems
 
 
-CPU_FORWARD = Patch(
-    name="cpu_attention.forward",
-    module="vllm.v1.attention.backends.cpu_attn",
-    owner="CPUAttentionBackendImpl",
-    attr="forward",
-    params=_FORWARD_PARAMS,
-    make=_make_cpu_forward,
-    check_more=_check_cpu,
-)
+CPU_FORWARD = _forward_patch("cpu_attention.forward", "vllm.v1.attention.backends.cpu_attn",
+                             "CPUAttentionBackendImpl", declines=_cpu_declines, key_pages=_cpu_pages,
+                             fix_up=_cpu_fix_up, check_more=_check_cpu)
 
 
 # -- FLASH_ATTN (CUDA) ------------------------------------------------------------
@@ -212,30 +237,19 @@ class FlashKeyPages(KeyPages):
         return self._kv[:, 0].index_select(0, block_ids)[:, tokens, tokens % self.head_size]
 
 
-def _make_fa_forward(original: Callable) -> Callable:
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        hooks = _core.hooks
-        md = attn_metadata
-        if (hooks is None or not _plain_decoder(self, key, md)
-                or getattr(self, "dcp_world_size", 1) > 1
-                or getattr(md, "mm_prefix_query_range_tensor", None) is not None
-                or getattr(md, "rswa_prefix_lens", None) is not None):
-            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
-        pages = FlashKeyPages(kv_cache, self.head_size) if self.kv_cache_dtype == "auto" else None
-        batch = _batch(self, layer, query, key, kv_cache, md, kv_cache.shape[2], pages)
-        selection = hooks.before_attention(batch)
-        if selection is not None:
-            md = copy.copy(md)
-            md.block_table = selection.block_table
-            md.seq_lens = selection.seq_lens
-            # FA3's ahead-of-time split plan was made for the dense lengths.
-            md.scheduler_metadata = None
-        try:
-            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
-        finally:
-            hooks.after_attention(batch, selection)
+def _fa_declines(impl: Any, md: Any) -> bool:
+    return (getattr(impl, "dcp_world_size", 1) > 1
+            or getattr(md, "mm_prefix_query_range_tensor", None) is not None
+            or getattr(md, "rswa_prefix_lens", None) is not None)
 
-    return forward
+
+def _fa_pages(impl: Any, layer: Any, kv_cache) -> KeyPages | None:
+    return FlashKeyPages(kv_cache, impl.head_size) if impl.kv_cache_dtype == "auto" else None
+
+
+def _fa_fix_up(impl: Any, layer: Any, query, dense_md: Any, md: Any) -> None:
+    # FA3's ahead-of-time split plan was made for the dense lengths.
+    md.scheduler_metadata = None
 
 
 def _check_fa(owner: Any) -> list[str]:
@@ -246,12 +260,6 @@ def _check_fa(owner: Any) -> list[str]:
         "scheduler_metadata", "causal", "max_seq_len", "max_query_len"))
 
 
-FLASH_ATTN_FORWARD = Patch(
-    name="flash_attention.forward",
-    module="vllm.v1.attention.backends.flash_attn",
-    owner="FlashAttentionImpl",
-    attr="forward",
-    params=_FORWARD_PARAMS,
-    make=_make_fa_forward,
-    check_more=_check_fa,
-)
+FLASH_ATTN_FORWARD = _forward_patch("flash_attention.forward", "vllm.v1.attention.backends.flash_attn",
+                                    "FlashAttentionImpl", declines=_fa_declines, key_pages=_fa_pages,
+                                    fix_up=_fa_fix_up, check_more=_check_fa)

@@ -238,14 +238,16 @@ def parse_manifest(value: bytes, digest: bytes | None = None) -> Manifest:
     return manifest
 
 
-def describe(manifest: Manifest) -> str:
-    """One line for ``ucm store stats``: model, dtype, layout, geometry, rank."""
+def describe(manifest: Manifest, tp: str | None = None) -> str:
+    """One line for ``ucm store stats``: model, dtype, layout, geometry, rank
+    (``tp`` says something else of the TP rank; ``manifest``: anything with
+    a ``namespace`` and a ``model_name``)."""
     ns = manifest.namespace
     model = manifest.model_name or f"model {ns.model_fingerprint[:12]}"
     extra = "".join(f", {k}={v}" for k, v in ns.extra)
     return (f"{model} {ns.dtype} {ns.kv_layout}, block {ns.block_size}, "
             f"{ns.num_layers} layers x {ns.num_kv_heads} kv heads x {ns.head_size}, "
-            f"tp {ns.tp_rank}/{ns.tp_size}, format v{ns.format_version}{extra}")
+            f"{tp or f'tp {ns.tp_rank}/{ns.tp_size}'}, format v{ns.format_version}{extra}")
 
 
 def write_manifest(store, namespace: Namespace, model_name: str | None = None) -> bool:

@@ -28,8 +28,10 @@ the capacity its URL names) and starts no server.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from typing import Callable
 
 from store_backends import StoreError, StoreOpenError
 
@@ -48,7 +50,7 @@ __all__ = [
     "VerifyCounts", "VerifyReport",
     "build_parser", "check_store_url", "check_value", "cmd_config_check", "cmd_config_reference", "cmd_shm_list",
     "cmd_shm_status", "cmd_shm_stop", "cmd_store_clear", "cmd_store_stats", "cmd_store_verify", "main",
-    "open_for_cli", "render_configuration_reference", "resolve_namespaces", "survey",
+    "open_for_cli", "render_configuration_reference", "resolve_namespaces", "run_command", "survey",
 ]
 
 
@@ -61,8 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if getattr(args, "batch", 1) < 1:
         parser.error("--batch must be at least 1")
+    return run_command(args.func, args)
+
+
+def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``command(args)``, with the errors a user can hit said in one line
+    on stderr and turned into their exit status (``ucm explain`` runs
+    through here also when it is called on its own)."""
     try:
-        return args.func(args)
+        return command(args)
     except UserError as exc:
         error(exc)
         return exc.status

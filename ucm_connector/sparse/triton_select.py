@@ -15,7 +15,7 @@ launches, none of which waits for the host or makes the host wait.
 * ``fold_decode``: the fold alone, for decode calls that select nothing or
   that the torch path selects.
 
-The math is ``block_topk._scores`` and ``before_attention``'s, step for step;
+The math is ``torch_select.scores`` and ``torch_select.select``'s, step for step;
 only the floating-point order differs (blocks chosen can differ where two
 scores tie to rounding).  Shapes come from host-side facts: rows, the longest
 row's block count ``width``, and a power of two above it per row.
@@ -47,6 +47,27 @@ def _pow2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _start_block(block, made_at_ptr, epochs_ptr, probe_ptr, BS: tl.constexpr, BSP: tl.constexpr):
+        # A block's first token: its summary is made at the block's epoch,
+        # and has no probe until the block is complete.
+        tl.store(made_at_ptr + block, tl.load(epochs_ptr + block))
+        tt = tl.arange(0, BSP)
+        tl.store(probe_ptr + block * BS + tt, tl.full((BSP,), float("nan"), tl.float32), mask=tt < BS)
+
+    @triton.jit
+    def _take_probe(block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr,
+                    BS: tl.constexpr, BSP: tl.constexpr, D: tl.constexpr):
+        # The block is complete: remember one key element per token (kv
+        # head 0, dim t % D), read back from the page itself, if this
+        # summary saw the block start (else it vouches for nothing: NaN
+        # never matches).
+        tt = tl.arange(0, BSP)
+        probe = tl.load(kv_ptr + block * kv_s0 + tt * kv_s1 + (tt % D), mask=tt < BS)
+        seen_start = tl.load(made_at_ptr + block) == tl.load(epochs_ptr + block)
+        probe = tl.where(seen_start, probe.to(tl.float32), float("nan"))
+        tl.store(probe_ptr + block * BS + tt, probe, mask=tt < BS)
+
+    @triton.jit
     def _fold_decode_kernel(key_ptr, key_s0, key_s1, slot_ptr, epochs_ptr, made_at_ptr,
                             sum_ptr, minmax_ptr, probe_ptr, kv_ptr, kv_s0, kv_s1,
                             BS: tl.constexpr, BSP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
@@ -73,9 +94,7 @@ if triton is not None:
                     mm = minmax_ptr + block * (H * 2 * D) + h * (2 * D) + d
                     tl.store(mm, key, mask=hd)
                     tl.store(mm + D, key, mask=hd)
-                tl.store(made_at_ptr + block, tl.load(epochs_ptr + block))
-                tt = tl.arange(0, BSP)
-                tl.store(probe_ptr + block * BS + tt, tl.full((BSP,), float("nan"), tl.float32), mask=tt < BS)
+                _start_block(block, made_at_ptr, epochs_ptr, probe_ptr, BS, BSP)
             else:
                 ptr = base + (offset // PS) * (H * D)
                 tl.store(ptr, tl.load(ptr, mask=hd, other=0.0) + key, mask=hd)
@@ -85,15 +104,7 @@ if triton is not None:
                     tl.store(mm + D, tl.minimum(tl.load(mm + D, mask=hd, other=0.0), key), mask=hd)
             if PROBE:
                 if offset == BS - 1:
-                    # The block is complete: remember one key element per token
-                    # (kv head 0, dim t % D), read back from the page itself,
-                    # if this summary saw the block start (else it vouches
-                    # for nothing: NaN never matches).
-                    tt = tl.arange(0, BSP)
-                    probe = tl.load(kv_ptr + block * kv_s0 + tt * kv_s1 + (tt % D), mask=tt < BS)
-                    seen_start = tl.load(made_at_ptr + block) == tl.load(epochs_ptr + block)
-                    probe = tl.where(seen_start, probe.to(tl.float32), float("nan"))
-                    tl.store(probe_ptr + block * BS + tt, probe.to(tl.float32), mask=tt < BS)
+                    _take_probe(block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr, BS, BSP, D)
 
     @triton.jit
     def _block_logits_kernel(q_ptr, q_s0, q_s1, qsl_ptr, seq_ptr, table_ptr, table_s0,
@@ -150,17 +161,11 @@ if triton is not None:
                         tl.store(part_row, tl.load(part_row, mask=dmask, other=0.0) + key, mask=dmask)
                 if h == 0:
                     if offset == 0:
-                        tl.store(made_at_ptr + fold_block, tl.load(epochs_ptr + fold_block))
-                        tt = tl.arange(0, BSP)
-                        tl.store(probe_ptr + fold_block * BS + tt, tl.full((BSP,), float("nan"), tl.float32),
-                                 mask=tt < BS)
+                        _start_block(fold_block, made_at_ptr, epochs_ptr, probe_ptr, BS, BSP)
                     if PROBE:
                         if offset == BS - 1:
-                            tt = tl.arange(0, BSP)
-                            probe = tl.load(kv_ptr + fold_block * kv_s0 + tt * kv_s1 + (tt % D), mask=tt < BS)
-                            seen_start = tl.load(made_at_ptr + fold_block) == tl.load(epochs_ptr + fold_block)
-                            probe = tl.where(seen_start, probe.to(tl.float32), float("nan"))
-                            tl.store(probe_ptr + fold_block * BS + tt, probe, mask=tt < BS)
+                            _take_probe(fold_block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr,
+                                        BS, BSP, D)
         start = offset == 0
         if BOUND:
             rows = minmax_ptr + block[:, None] * (H * 2 * D) + h * (2 * D) + d[None, :]
@@ -223,7 +228,7 @@ if triton is not None:
         last_fill = seq - (n - 1) * BS
         new_seq = tl.where(thin, (keep - 1) * BS + last_fill, seq)
         tl.store(out_seq_ptr + r, new_seq.to(out_seq_ptr.dtype.element_ty))
-        # Counters, in block_topk._STATS order.
+        # Counters, in topk_plan.STATS order.
         tl.atomic_add(totals_ptr + 1, decode.to(tl.int64))
         tl.atomic_add(totals_ptr + 2, thin.to(tl.int64))
         tl.atomic_add(totals_ptr + 3, tl.where(decode, tl.where(thin, keep, n), 0))

@@ -1,0 +1,80 @@
+"""``block_topk``'s selection in torch ops: on the CPU, on CUDA without
+Triton, and wherever a step has to read blocks without a summary.
+
+Owns scoring every block of every row against the row's query (``scores``:
+the share of attention each block is estimated to take, from the slices'
+mean keys or from Quest's bound) and choosing the budget's best blocks per
+thinned row, sinks and the local window forced in, in position order
+(``select``).  ``triton_select.py`` computes the same, in two kernels.
+
+What it must not do: wait for the device on the usual path (every shape
+comes from the ``StepPlan``; rows that are not thinned are put back with
+``where``), change summaries, or decide which calls are thinned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionBatch, BlockSelection
+from .summaries import LayerSummaries
+from .topk_plan import STATS, StepPlan
+
+_BLOCKS_READ = STATS.index("blocks_read")
+
+
+def select(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: str,
+           unsummarized: torch.Tensor | None, totals: torch.Tensor) -> BlockSelection:
+    """The selection of this layer call; ``unsummarized``: the (row,
+    position) entries without a summary, or None."""
+    t = plan.tensors(batch)
+    table, seq_lens = plan.outputs(batch)
+    forced = t.forced if unsummarized is None else t.forced | unsummarized
+    block_scores = scores(layer, batch, plan, score).masked_fill(forced, float("inf"))
+    # Positions past a row's blocks never win, even over blocks whose
+    # share underflowed to zero.
+    block_scores.masked_fill_(t.invalid, float("-inf"))
+    k, keep, in_budget = plan.keep_max, t.keep, t.in_budget
+    if unsummarized is not None:
+        # Blocks with no summary are read on top of the budget (this path
+        # waits for the device anyway: see SummaryKeeper.refresh_stale).
+        keep = torch.where(t.thin, torch.maximum(t.keep, forced.sum(dim=1)), t.keep)
+        k = int(torch.where(t.thin, keep, 0).max())
+        in_budget = torch.arange(k, device=keep.device).unsqueeze(0) < keep.unsqueeze(1)
+        seq_lens = torch.where(t.thin, (keep - 1) * batch.block_size + t.last_fill,
+                               batch.seq_lens).to(batch.seq_lens.dtype)
+        totals[_BLOCKS_READ] += ((keep - t.keep) * t.thin).sum()
+    top = block_scores.topk(k, dim=1).indices
+    top = torch.where(in_budget, top, plan.width)
+    chosen = top.sort(dim=1).values.clamp_(max=plan.width - 1)
+    num_rows = plan.num_rows
+    blocks = t.table.gather(1, chosen).to(table.dtype)
+    table[:num_rows, :k] = torch.where(t.thin.unsqueeze(1), blocks, batch.block_table[:num_rows, :k])
+    plan.count_call(batch)
+    return BlockSelection(block_table=table, seq_lens=seq_lens)
+
+
+def scores(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: str) -> torch.Tensor:
+    """Estimated share of each block in the attention of each row's
+    query, ``[rows, width]`` (every row: the caller keeps what it needs)."""
+    t = plan.tensors(batch)
+    num_rows = plan.num_rows
+    q = batch.query[:num_rows] if plan.decode_only else batch.query.index_select(0, t.q_index)
+    n, num_heads, d = q.shape
+    h, width = batch.num_kv_heads, plan.width
+    q = q.float().reshape(n * h, num_heads // h, d)
+    if score == "bound":
+        summaries = layer.minmax.view(-1, 2 * d).index_select(0, t.head_index).view(n * h, width, 2 * d)
+        q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
+        logits = torch.bmm(q, summaries.transpose(1, 2)).view(n, num_heads, width).mul_(batch.scale)
+        logits.masked_fill_(t.invalid_by_head, float("-inf"))
+    else:
+        parts = layer.parts
+        index = t.part_index(parts, h)
+        summaries = layer.part_sum.view(-1, d).index_select(0, index).view(n * h, width * parts, d)
+        logits = torch.bmm(q, summaries.transpose(1, 2)).view(n, num_heads, width, parts)
+        # A block's mass ~ sum over its slices of count * exp(scale * q . mean).
+        factor, log_count = t.slice_weights(parts, batch.scale)
+        logits.mul_(factor).add_(log_count)
+        logits = logits.logsumexp(dim=-1) if parts > 1 else logits.squeeze(-1)
+    return logits.softmax(dim=-1).mean(dim=1)
