@@ -16,6 +16,10 @@ Rules every backend follows:
 * ``get_into`` copies a value straight into the caller's writable buffer.
   The buffer's size must equal the value's size: a value of another size is
   treated as a miss (so a truncated value is never returned as valid).
+* ``get_into_parts`` is ``get_into`` with each value spread over several
+  buffers, filled in order (a caller reads a block straight into the places
+  it is used); a store that does so without a temporary buffer says
+  ``reads_into_parts``.
 * Reads that find nothing, or find something damaged, return a miss.
 * A store whose medium is gone raises ``StoreUnavailableError`` quickly
   (bounded timeouts), and works again once the medium is back.
@@ -32,7 +36,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 
 class StoreError(Exception):
@@ -121,6 +125,25 @@ class KVStore(abc.ABC):
         value, or a value whose size differs from the buffer's.  A buffer is
         left in an unspecified state where the answer is ``False``."""
 
+    #: True where ``get_into_parts`` copies each value straight into its
+    #: parts; the generic version reads into a temporary buffer first.
+    reads_into_parts: bool = False
+
+    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+        """``get_into`` where key i's value lands in the buffers ``parts[i]``,
+        filled in order: their total size must equal the value's (else
+        ``False``, as for ``get_into``).  This version reads each value into
+        a temporary buffer and copies it into its parts."""
+        if len(parts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
+        views = [[byte_view(p, writable=True) for p in value_parts] for value_parts in parts]
+        temps = [bytearray(sum(v.nbytes for v in value_views)) for value_views in views]
+        found = self.get_into(keys, temps)
+        for ok, temp, value_views in zip(found, temps, views):
+            if ok:
+                copy_into_parts(value_views, [memoryview(temp)])
+        return found
+
     @abc.abstractmethod
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Each key's value, or ``None`` for a miss."""
@@ -197,6 +220,31 @@ def byte_view(obj: object, writable: bool = False) -> memoryview:
             raise ValueError(f"store buffers must be C-contiguous, got {type(obj).__name__}")
         view = view.cast("B")
     return view
+
+
+def copy_into_parts(dsts: Sequence[memoryview], srcs: Sequence[memoryview],
+                    copy: Callable[[memoryview, memoryview], None] | None = None) -> None:
+    """Copy the bytes of ``srcs`` (in order) into ``dsts`` (in order); their
+    total sizes must be equal.  ``copy(dst, src)`` copies one overlap of
+    equal size (default: a slice assignment)."""
+    if sum(d.nbytes for d in dsts) != sum(s.nbytes for s in srcs):
+        raise ValueError("the parts and the value differ in size")
+    di = si = 0
+    d_off = s_off = 0
+    while di < len(dsts) and si < len(srcs):
+        dst, src = dsts[di], srcs[si]
+        n = min(dst.nbytes - d_off, src.nbytes - s_off)
+        if n:
+            if copy is None:
+                dst[d_off:d_off + n] = src[s_off:s_off + n]
+            else:
+                copy(dst[d_off:d_off + n], src[s_off:s_off + n])
+        d_off += n
+        s_off += n
+        if d_off == dst.nbytes:
+            di, d_off = di + 1, 0
+        if s_off == src.nbytes:
+            si, s_off = si + 1, 0
 
 
 def check_batch(keys: Sequence[bytes], others: Sequence[object] | None = None, what: str = "values") -> None:

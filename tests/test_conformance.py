@@ -107,6 +107,30 @@ def test_get_into_a_buffer_of_another_size_is_a_miss(store):
     assert store.get_into([b"k"], [bytearray(4096)]) == [True]
 
 
+@pytest.mark.parametrize("cuts", [[64, 65600, 300000], [0, 64, 64, 1 << 20], [7], []],
+                         ids=["header-pages", "empty-parts", "odd", "one-part"])
+def test_get_into_parts_fills_the_parts_in_order(store, cuts):
+    """A value read into several buffers (a block's header and its pages):
+    the parts hold the value's bytes in order, whatever the cuts, across a
+    store's own chunks; a value of another total size, or a miss, is a
+    False and a miss for the rest of the batch is no hit for them."""
+    nbytes = (1 << 20) + 4096
+    values = [block(11, nbytes), block(12, nbytes)]
+    store.put([b"p1", b"p2"], values)
+    edges = [0] + cuts + [nbytes]
+
+    def parts():
+        return [memoryview(bytearray(hi - lo)) for lo, hi in zip(edges, edges[1:])]
+
+    one, two, short, absent = parts(), parts(), parts()[:-1], parts()
+    assert store.get_into_parts([b"p1", b"p2", b"p1", b"absent"], [one, two, short, absent]) == \
+        [True, True, False, False]
+    assert b"".join(bytes(p) for p in one) == values[0]
+    assert b"".join(bytes(p) for p in two) == values[1]
+    with pytest.raises(ValueError):
+        store.get_into_parts([b"p1"], [])
+
+
 def test_put_is_idempotent(store):
     assert store.put([b"k"], [block(7)]) == [True]
     assert store.put([b"k"], [block(7)]) == [True]

@@ -291,7 +291,7 @@ def test_a_block_file_read_says_what_it_found(root, damage, status):
     elif damage == "truncate":
         os.truncate(path, 500)
     expected = 999 if damage == "another size" else len(value)
-    read = files.read_into(b"key", memoryview(bytearray(expected)))
+    read = files.read_into(b"key", [memoryview(bytearray(expected))])
     assert read.status is status
     assert read.inode == (inode if status is ReadStatus.CORRUPT else None)
     if damage == "none":

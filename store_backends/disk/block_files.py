@@ -39,6 +39,9 @@ from .layout import SHARDS, block_name, block_path, is_block_name
 _MAGIC = b"UCMBLK\x00\x01"
 # The fixed end of a block file: value length, key length, magic.
 _TRAILER = struct.Struct("<QI8s")
+#: The most buffers ``read_into`` fills with one read (the system's
+#: IOV_MAX is 1024; two go to the trailer).
+MAX_PARTS = 1000
 _STALE_TMP_SECONDS = 600.0
 
 
@@ -175,10 +178,10 @@ class BlockFiles:
 
     # ------------------------------------------------------------------ reading
 
-    def read_into(self, key: bytes, view: memoryview) -> BlockRead:
-        """Read one block straight into ``view``.  One read where the file is
-        what the buffer expects; anything else is judged by the file's own
-        trailer."""
+    def read_into(self, key: bytes, views: list[memoryview]) -> BlockRead:
+        """Read one block straight into ``views``, filled in order (at most
+        ``MAX_PARTS``).  One read where the file is what the buffers expect;
+        anything else is judged by the file's own trailer."""
         try:
             fd = os.open(self.path(key), os.O_RDONLY)
         except OSError:
@@ -186,10 +189,11 @@ class BlockFiles:
         try:
             trailer = bytearray(len(key) + _TRAILER.size)
             extra = bytearray(1)
-            n = os.preadv(fd, [view, trailer, extra], 0)
-            if n == view.nbytes + len(trailer):
+            total = sum(v.nbytes for v in views)
+            n = os.preadv(fd, [*views, trailer, extra], 0)
+            if n == total + len(trailer):
                 nbytes, key_len, magic = _TRAILER.unpack_from(trailer, len(key))
-                if magic == _MAGIC and nbytes == view.nbytes and key_len == len(key) \
+                if magic == _MAGIC and nbytes == total and key_len == len(key) \
                         and trailer[:len(key)] == key:
                     return BlockRead(ReadStatus.HIT)
             return _judge(fd, key)

@@ -58,7 +58,7 @@ from typing import Callable, Iterator, Sequence
 from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError,
                     byte_view, check_batch)
 from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
-from .block_files import BlockFiles, BlockRead, ReadStatus
+from .block_files import MAX_PARTS, BlockFiles, BlockRead, ReadStatus
 from .index import BlockIndex
 from .layout import INDEX_FILE, LOCK_FILE, block_name, is_disk_store
 
@@ -401,7 +401,17 @@ class DiskStore(KVStore):
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         check_batch(keys, buffers, "buffers")
-        reads = self._read_each(keys, lambda i, key: self._files.read_into(key, byte_view(buffers[i], writable=True)))
+        reads = self._read_each(keys, lambda i, key: self._files.read_into(key, [byte_view(buffers[i], writable=True)]))
+        return [read.status is ReadStatus.HIT for read in reads]
+
+    reads_into_parts = True
+
+    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+        check_batch(keys, parts, "lists of parts")
+        if any(len(value_parts) > MAX_PARTS for value_parts in parts):
+            return super().get_into_parts(keys, parts)
+        views = [[byte_view(p, writable=True) for p in value_parts] for value_parts in parts]
+        reads = self._read_each(keys, lambda i, key: self._files.read_into(key, views[i]))
         return [read.status is ReadStatus.HIT for read in reads]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:

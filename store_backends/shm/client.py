@@ -58,7 +58,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError,
-                    byte_view)
+                    byte_view, copy_into_parts)
 from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
 from . import admin
 from .connection import NoAnswer, ServerConnection
@@ -280,12 +280,22 @@ class ShmStore(KVStore):
                 self._late_misses += late
                 self._torn_reads += torn
 
+    reads_into_parts = True
+
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         if len(buffers) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        return self._read_into(keys, [[byte_view(b, writable=True)] for b in buffers])
+
+    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+        if len(parts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
+        return self._read_into(keys, [[byte_view(p, writable=True) for p in value_parts] for value_parts in parts])
+
+    def _read_into(self, keys: Sequence[bytes], dsts: list[list[memoryview]]) -> list[bool]:
+        """Copy each key's value out of its chunks into its buffers."""
         if not keys:
             return []
-        dsts = [byte_view(b, writable=True) for b in buffers]
         seg, sizes, gens, firsts, nruns, runs = self._lookup(keys)
         data = seg.data
         chunk = seg.chunk
@@ -297,20 +307,22 @@ class ShmStore(KVStore):
                 continue
             end = pos + 2 * nruns[i]
             dst = dsts[i]
-            if dst.nbytes != size:
+            if sum(d.nbytes for d in dst) != size:
                 late += 1
                 pos = end
                 continue
-            if nruns[i] == 1:
+            if nruns[i] == 1 and len(dst) == 1:
                 off = runs[pos] * chunk
-                _copy(dst, data[off:off + size])
+                _copy(dst[0], data[off:off + size])
             else:
+                srcs = []
                 done = 0
                 for j in range(pos, end, 2):
                     n = min(runs[j + 1] * chunk, size - done)
                     off = runs[j] * chunk
-                    _copy(dst[done:done + n], data[off:off + n])
+                    srcs.append(data[off:off + n])
                     done += n
+                copy_into_parts(dst, srcs, _copy)
             copied[i] = True
             pos = end
         result = [c and u for c, u in zip(copied, self._unchanged(seg, gens, firsts))]
