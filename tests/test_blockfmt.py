@@ -17,7 +17,10 @@ from ucm_connector.blockfmt import (
     encode_header,
     pack_into,
     parse_header,
+    pack_header_into,
+    payload_hasher,
     verify,
+    verify_parts,
 )
 
 NAMESPACE = bytes(range(16))
@@ -65,6 +68,22 @@ def test_header_plus_payload_written_separately_equals_pack_into():
     data = payload()
     assert encode_header(NAMESPACE, data, key=KEY) + data == bytes(packed_block(data))
     assert encode_block(NAMESPACE, data, key=KEY) == bytes(packed_block(data))
+
+
+def test_a_checksum_taken_in_pieces_seals_the_same_header_as_pack_into():
+    data = payload(100_000, seed=4)
+    whole = bytearray(HEADER_NBYTES + len(data))
+    whole[HEADER_NBYTES:] = data
+    pack_into(whole, NAMESPACE, len(data), key=KEY)
+    h = payload_hasher()
+    for lo in range(0, len(data), 30_000):
+        h.update(data[lo:lo + 30_000])
+    pieces = bytearray(whole)
+    pieces[:HEADER_NBYTES] = bytes(HEADER_NBYTES)
+    pack_header_into(pieces, NAMESPACE, len(data), h.intdigest(), key=KEY)
+    assert pieces == whole
+    with pytest.raises(ValueError, match="too small"):
+        pack_header_into(bytearray(10), NAMESPACE, len(data), 0)
 
 
 def test_pack_into_a_numpy_buffer_and_verify_from_bytes():
@@ -290,3 +309,32 @@ def test_a_sealed_header_with_any_fields_is_accepted_only_when_they_all_hold(dat
     outcome = verify_outcome(buf)
     sound = all(fields[name] == right[name] for name in right if name != "reserved")
     assert outcome == data if sound else isinstance(outcome, BlockFormatError)
+
+
+def verify_parts_outcome(buf, draw, key=KEY, expected=None):
+    """``verify_parts`` on ``buf`` cut into a header and payload parts at
+    drawn places: True where accepted, else the BlockFormatError."""
+    view = memoryview(bytes(buf))
+    header, payload = view[:HEADER_NBYTES], view[HEADER_NBYTES:]
+    cuts = sorted(draw.draw(st.lists(st.integers(0, len(payload)), max_size=4)))
+    edges = [0] + cuts + [len(payload)]
+    parts = [payload[lo:hi] for lo, hi in zip(edges, edges[1:])]
+    try:
+        verify_parts(header, parts, NAMESPACE, expected, key=key)
+        return True
+    except BlockFormatError as exc:
+        return exc
+
+
+@PROPERTY
+@given(payloads, keys, st.data())
+def test_a_block_read_in_parts_is_accepted_whole_and_rejected_changed(data, key, draw):
+    """``verify_parts`` (a block read straight into its pages) judges as
+    ``verify`` does, however the payload is cut."""
+    buf = bytearray(encode_block(NAMESPACE, data, key=key))
+    assert verify_parts_outcome(buf, draw, key=key, expected=len(data)) is True
+    positions = draw.draw(st.sets(st.integers(0, len(buf) - 1), min_size=1, max_size=4))
+    for i in positions:
+        buf[i] ^= draw.draw(st.integers(1, 255))
+    assert isinstance(verify_parts_outcome(buf, draw, key=key), BlockFormatError)
+    assert isinstance(verify_parts_outcome(buf[:-1], draw, key=key), BlockFormatError)

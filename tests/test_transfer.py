@@ -331,6 +331,35 @@ def test_kernels_queued_after_a_scatter_read_the_loaded_pages():
     rows.release()
 
 
+@pytest.mark.parametrize("page_by_page", [True, False], ids=["page-by-page", "fancy-index"])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "LHBNC"])
+def test_cpu_copies_checksum_pick_rows_and_expose_pages(layout, page_by_page):
+    """On CPU, both ways of copying: a gather with a hasher returns each
+    payload's xxh3 (the envelope's checksum); a scatter takes the rows it
+    is told to; ``page_parts`` are the block's pages in payload order,
+    where each page is one run of bytes."""
+    import xxhash
+
+    from ucm_connector import blockfmt
+
+    _, caches = _vllm(layout, "cpu", blocks=12)
+    t = BlockTransfer(caches, 12, page_by_page=page_by_page)
+    out = np.zeros((3, t.payload_nbytes), dtype=np.uint8)
+    checksums = t.gather([4, 0, 7], out, hasher=blockfmt.payload_hasher)
+    assert checksums == [xxhash.xxh3_64_intdigest(row) for row in out]
+    assert t.gather([4], np.zeros((1, t.payload_nbytes), dtype=np.uint8)) is None
+    want = {b: _gather(t, [b])[0].tobytes() for b in (0, 4, 7)}
+    assert [row.tobytes() for row in out] == [want[4], want[0], want[7]]
+    # Rows 2 and 0 into blocks 9 and 10: block 9 gets block 7's bytes.
+    t.scatter([9, 10], out, row_ids=[2, 0])
+    assert _gather(t, [9, 10]).tobytes() == want[7] + want[4]
+    # LHBNC keeps heads outside blocks: a page is a run per head, so no
+    # store can read a block straight into it.
+    assert t.pages_contiguous == (layout != "LHBNC")
+    if t.pages_contiguous:
+        assert b"".join(bytes(p) for p in t.page_parts(7)) == want[7]
+
+
 def test_vllm_builds_the_same_views():
     """cache_views reproduces vLLM's own construction (where vLLM is here)."""
     kv = pytest.importorskip("vllm.v1.kv_cache_interface")

@@ -170,7 +170,8 @@ class LayerLoads:
                     for i in range(transfer.num_layers):
                         for chunk in chunks:
                             if chunk.good:
-                                transfer.scatter(chunk.good_ids, chunk.rows.payload[chunk.good], range(i, i + 1))
+                                transfer.scatter(chunk.good_ids, chunk.rows.payload, range(i, i + 1),
+                                                 row_ids=chunk.good)
                         job.layer_done[i].set()
                 finally:
                     for chunk in chunks:

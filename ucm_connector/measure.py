@@ -59,7 +59,7 @@ class LoadObserver:
 
 
 class TimedReads(KVStore):
-    """A store whose ``get_into`` calls are timed into an observer as reads
+    """A store whose ``get_into`` (and ``get_into_parts``) calls are timed into an observer as reads
     of ``tier``; everything else is passed through."""
 
     def __init__(self, store: KVStore, tier: int, observer: LoadObserver) -> None:
@@ -73,6 +73,18 @@ class TimedReads(KVStore):
         found = self.inner.get_into(keys, buffers)
         seconds = time.perf_counter() - t0
         nbytes = sum(memoryview(b).nbytes for b, ok in zip(buffers, found) if ok)
+        self.observer.read(self.tier, seconds, sum(1 for ok in found if ok), nbytes)
+        return found
+
+    @property
+    def reads_into_parts(self) -> bool:
+        return self.inner.reads_into_parts
+
+    def get_into_parts(self, keys, parts) -> list[bool]:
+        t0 = time.perf_counter()
+        found = self.inner.get_into_parts(keys, parts)
+        seconds = time.perf_counter() - t0
+        nbytes = sum(memoryview(p).nbytes for ps, ok in zip(parts, found) if ok for p in ps)
         self.observer.read(self.tier, seconds, sum(1 for ok in found if ok), nbytes)
         return found
 

@@ -42,7 +42,16 @@ class ReadChunk:
 class BlockReader(BlockIO):
     """Reads, checks and copies batches of blocks into their pages, through
     rows of one pool (pinned and allocated once on CUDA): the store writes
-    into the rows themselves, and the copy into the pages reads them."""
+    into the rows themselves, and the copy into the pages reads them.  On
+    CPU, where the store reads a value into several buffers without a
+    temporary (``reads_into_parts``) and every page is one run of bytes, a
+    block goes straight into its pages instead, and is checked there: one
+    copy fewer.  A block that fails its check then leaves its pages
+    written, like any failed load: vLLM recomputes them."""
+
+    @property
+    def into_pages(self) -> bool:
+        return self.transfer.pages_contiguous and self.store.reads_into_parts
 
     def _read(self, keys: list[bytes], rows: np.ndarray) -> list[bool]:
         try:
@@ -76,6 +85,10 @@ class BlockReader(BlockIO):
         go to the stats and are deleted from the store."""
         block_ids = [b for plan in plans for b in plan.block_ids]
         keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
+        if scatter and self.into_pages:
+            bad, bad_keys = self._read_into_pages(block_ids, keys)
+            self._drop(bad_keys, num_good=len(keys) - len(bad), num_keys=len(keys))
+            return block_ids, bad, [], []
         kept: list[ReadChunk] = []
         copies: list[Transfer] = []
         bad: set[int] = set()
@@ -108,6 +121,40 @@ class BlockReader(BlockIO):
                 rows.release(after=copy)
             if copy is not None:
                 copies.append(copy)
+        self._drop(bad_keys, num_good=num_good, num_keys=len(keys))
+        return block_ids, bad, kept, copies
+
+    def _read_into_pages(self, block_ids: list[int], keys: list[bytes]) -> tuple[set[int], list[bytes]]:
+        """Read the blocks straight into their pages (headers into a small
+        array of their own) and check them there.  Returns the block ids
+        that failed and the keys of those found but bad."""
+        headers = np.empty((len(keys), blockfmt.HEADER_NBYTES), dtype=np.uint8)
+        parts = [[memoryview(headers[i])] + self.transfer.page_parts(b) for i, b in enumerate(block_ids)]
+        try:
+            # One call for the whole batch: reading it in groups small
+            # enough to check while in the CPU's caches measured slower
+            # (a round trip per group; benchmarks/RESULTS.md).
+            found = self.store.get_into_parts(keys, parts)
+        except StoreError as exc:
+            self.report.failed("store load", exc)
+            found = [False] * len(keys)
+        bad: set[int] = set()
+        bad_keys: list[bytes] = []
+        for i, ok in enumerate(found):
+            if not ok:
+                bad.add(block_ids[i])
+                continue
+            try:
+                blockfmt.verify_parts(headers[i], parts[i][1:], self.namespace_digest, self.payload_nbytes,
+                                      key=keys[i])
+            except blockfmt.BlockFormatError as exc:
+                self.report.failed(f"block check ({exc.reason})", exc)
+                bad.add(block_ids[i])
+                bad_keys.append(keys[i])
+        return bad, bad_keys
+
+    def _drop(self, bad_keys: list[bytes], *, num_good: int, num_keys: int) -> None:
+        """Delete the blocks that failed their checks and count the batch."""
         if bad_keys:
             # A bad block would otherwise be found, fail and be recomputed
             # on every later hit, and never be saved again.
@@ -117,5 +164,4 @@ class BlockReader(BlockIO):
             except StoreError as exc:
                 self.report.failed("store delete of bad blocks", exc)
         self.stats.add(loaded_blocks=num_good, loaded_bytes=num_good * self.payload_nbytes,
-                       load_errors=len(keys) - num_good)
-        return block_ids, bad, kept, copies
+                       load_errors=num_keys - num_good)

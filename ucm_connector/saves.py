@@ -107,7 +107,9 @@ class Saves(BlockIO):
                 self.events.add(NOT_STORED, [keys[i] for i in rest])
                 break
             try:
-                copy = self.transfer.gather_rows([block_ids[i] for i in part], rows)
+                # On CPU the gather checksums each payload as it copies it.
+                copy = self.transfer.gather_rows([block_ids[i] for i in part], rows,
+                                                 hasher=blockfmt.payload_hasher)
             except BaseException:
                 rows.release()
                 raise
@@ -122,8 +124,12 @@ class Saves(BlockIO):
         try:
             copy.wait()
             # Sealed here, after the copy: on CUDA it writes whole rows.
-            for row, key in zip(rows.rows, keys):
-                blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
+            if copy.checksums is not None:
+                for row, key, checksum in zip(rows.rows, keys, copy.checksums):
+                    blockfmt.pack_header_into(row, self.namespace_digest, self.payload_nbytes, checksum, key=key)
+            else:
+                for row, key in zip(rows.rows, keys):
+                    blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
             if replace:
                 # Stores keep the first value put under a key; a value
                 # that must not survive is deleted first (in every tier).

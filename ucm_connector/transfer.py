@@ -29,7 +29,7 @@ nothing of stores, requests or the scheduler.  ``LayerView``,
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,24 @@ from .staging import StagingRing, payload_views, round_up
 
 __all__ = ["BlockTransfer", "HostRows", "LayerView", "RowPool", "Transfer", "describe_layer"]
 
+#: On CPU, pages of at least this many bytes are copied page by page
+#: (benchmarks/worker_bench.py measures the two ways).
+PAGE_BY_PAGE_MIN_NBYTES = 32 << 10
+
+
+class Hasher(Protocol):
+    """A streaming hash (``blockfmt.payload_hasher`` makes them)."""
+
+    def update(self, data, /) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+def _digest(hasher: Callable[[], Hasher], data: np.ndarray) -> int:
+    h = hasher()
+    h.update(data)
+    return h.intdigest()
+
 
 class Transfer:
     """An issued copy.  ``wait()`` blocks the calling host thread until the
@@ -48,9 +66,12 @@ class Transfer:
     device, until the pages are written (scatter) or read (gather)."""
 
     def __init__(self, host_done: torch.cuda.Event | None = None,
-                 device_done: torch.cuda.Event | None = None) -> None:
+                 device_done: torch.cuda.Event | None = None, checksums: list[int] | None = None) -> None:
         self._host_done = host_done
         self._device_done = device_done
+        #: A gather's payload checksums, row by row, where they were taken
+        #: during the copy (CPU, with a ``hasher``); None otherwise.
+        self.checksums = checksums
 
     def done(self) -> bool:
         return self._host_done is None or self._host_done.query()
@@ -78,10 +99,13 @@ class BlockTransfer:
 
     ``staging_nbytes`` bounds the device memory of each direction's staging
     ring on CUDA; ``merge_layers=False`` makes CUDA copies layer by layer
-    (to measure what merging gains; CPU copies always are)."""
+    (to measure what merging gains; CPU copies always are);
+    ``page_by_page`` chooses how CPU copies go (default: by page size,
+    ``PAGE_BY_PAGE_MIN_NBYTES``)."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, *,
-                 staging_nbytes: int = 128 << 20, merge_layers: bool = True, slots: int = 2) -> None:
+                 staging_nbytes: int = 128 << 20, merge_layers: bool = True, slots: int = 2,
+                 page_by_page: bool | None = None) -> None:
         if not kv_caches:
             raise ValueError("no KV caches were registered")
         self.layers = [describe_layer(n, t, num_blocks) for n, t in kv_caches.items()]
@@ -106,6 +130,20 @@ class BlockTransfer:
             # the copy into the rows, and one merged fancy index measured
             # at half the speed on the 2-core machines (benchmarks/RESULTS.md).
             self._np_views = [s.view(num_blocks).numpy() for s in self._layer_segments]
+            # Large pages move page by page: a copy each, straight between
+            # page and row (one fancy index per layer copies twice, through
+            # a temporary); small ones by one fancy index per layer, whose
+            # per-call cost is paid once per batch, not once per page.
+            self._page_by_page = (min(s.nbytes for s in self._layer_segments) >= PAGE_BY_PAGE_MIN_NBYTES
+                                  if page_by_page is None else page_by_page)
+            # Each layer's pages as [num_blocks, page bytes], where every
+            # page is one contiguous run (vLLM's CPU caches): a store can
+            # then read a block straight into its pages.
+            self._flat_views = None
+            if all(view[0].flags.c_contiguous for view in self._np_views):
+                self._flat_views = [np.lib.stride_tricks.as_strided(view, (num_blocks, view[0].nbytes),
+                                                                    (view.strides[0], 1))
+                                    for view in self._np_views]
 
     # Kernels of a CUDA copy: the index kernels read and write the strided
     # staging views directly; False goes through a contiguous temporary
@@ -135,21 +173,35 @@ class BlockTransfer:
     def on_cuda(self) -> bool:
         return self._cuda
 
+    @property
+    def pages_contiguous(self) -> bool:
+        """On CPU, every page is one contiguous run of bytes: ``page_parts``
+        can be handed to a store to read a block straight into its pages."""
+        return not self._cuda and self._flat_views is not None
+
+    def page_parts(self, block_id: int) -> list[memoryview]:
+        """Writable byte views of a block's pages, in payload order (CPU,
+        where ``pages_contiguous``)."""
+        return [memoryview(flat[block_id]) for flat in self._flat_views]
+
     # -- copies through host rows -------------------------------------------
 
-    def gather_rows(self, block_ids: Sequence[int], rows: HostRows) -> Transfer:
+    def gather_rows(self, block_ids: Sequence[int], rows: HostRows, hasher: Callable[[], Hasher] | None = None
+                    ) -> Transfer:
         """Copy the pages of ``block_ids`` into the payloads of ``rows``
         (row i for block i).  The bytes around the payloads (a header) are
         left unspecified: on CUDA whole rows move in one DMA, so write
         headers after ``wait()``.  On CUDA it returns once the copy is
         issued: ``wait()`` before reading the rows; the caller's stream
         already waits for the reads of the pages, so kernels queued later
-        may overwrite them."""
+        may overwrite them.  On CPU, ``hasher`` (a factory of streaming
+        hashes) checksums each payload as it is copied, while its bytes are
+        in the CPU's caches: the result's ``checksums``."""
         if len(block_ids) > rows.count:
             raise ValueError(f"{len(block_ids)} blocks do not fit in {rows.count} rows")
         if not self._cuda:
-            self.gather(block_ids, rows.payload)
-            return _DONE
+            checksums = self.gather(block_ids, rows.payload, hasher)
+            return _DONE if checksums is None else Transfer(checksums=checksums)
         return self._gather_cuda(block_ids, rows)
 
     def scatter_rows(self, block_ids: Sequence[int], rows: HostRows,
@@ -167,40 +219,76 @@ class BlockTransfer:
         if not block_ids:
             return _DONE
         if not self._cuda:
-            payload = rows.payload
-            self.scatter(block_ids, payload if row_ids is None else payload[np.asarray(row_ids)])
+            self.scatter(block_ids, rows.payload, row_ids=row_ids)
             return _DONE
         return self._scatter_cuda(block_ids, rows, row_ids, after)
 
     # -- copies through caller buffers --------------------------------------
 
-    def gather(self, block_ids: Sequence[int], out: np.ndarray) -> None:
+    def gather(self, block_ids: Sequence[int], out: np.ndarray, hasher: Callable[[], Hasher] | None = None
+               ) -> list[int] | None:
         """Copy the pages of ``block_ids`` into ``out[i, :payload_nbytes]``
-        (``out`` is ``[len(block_ids), >= payload_nbytes]`` uint8)."""
+        (``out`` is ``[len(block_ids), >= payload_nbytes]`` uint8).  On CPU,
+        with ``hasher``, returns each payload's checksum (None otherwise)."""
         if self._cuda:
             self._through_own_rows(block_ids, out, gather=True)
-            return
+            return None
+        if self._page_by_page:
+            return self._gather_pages(block_ids, out, hasher)
         ids = np.asarray(block_ids, dtype=np.int64)
         n = len(ids)
         for segment, view in zip(self._layer_segments, self._np_views):
             lo = segment.offset
             out[:, lo:lo + segment.nbytes] = view[ids].reshape(n, segment.nbytes)
+        if hasher is None:
+            return None
+        return [_digest(hasher, out[i, :self.payload_nbytes]) for i in range(n)]
 
-    def scatter(self, block_ids: Sequence[int], src: np.ndarray, layers: range | None = None) -> None:
-        """Copy ``src[i, :payload_nbytes]`` into the pages of ``block_ids``;
-        with ``layers``, only those layers' pages (on CUDA every layer is
-        copied by the first call of a block set: its upload is one copy).
-        Done when it returns."""
+    def scatter(self, block_ids: Sequence[int], src: np.ndarray, layers: range | None = None,
+                row_ids: Sequence[int] | None = None) -> None:
+        """Copy ``src[row_ids[i], :payload_nbytes]`` (default: row i) into
+        the pages of ``block_ids[i]``; with ``layers``, only those layers'
+        pages (on CUDA every layer is copied by the first call of a block
+        set: its upload is one copy).  Done when it returns."""
         if self._cuda:
             if layers is None or layers.start == 0:
+                if row_ids is not None:
+                    src = src[np.asarray(row_ids)]
                 self._through_own_rows(block_ids, src, gather=False)
             return
+        layer_ids = range(len(self.layers)) if layers is None else layers
+        rows = range(len(block_ids)) if row_ids is None else row_ids
+        if self._page_by_page:
+            for row, block in zip(rows, block_ids):
+                for i in layer_ids:
+                    segment, view = self._layer_segments[i], self._np_views[i]
+                    lo = segment.offset
+                    np.copyto(view[block], src[row, lo:lo + segment.nbytes].reshape(view.shape[1:]))
+            return
         ids = np.asarray(block_ids, dtype=np.int64)
-        n = len(ids)
-        for i in range(len(self.layers)) if layers is None else layers:
+        picked = slice(0, len(ids)) if row_ids is None else np.asarray(row_ids, dtype=np.int64)
+        for i in layer_ids:
             segment, view = self._layer_segments[i], self._np_views[i]
             lo = segment.offset
-            view[ids] = src[:, lo:lo + segment.nbytes].reshape((n,) + view.shape[1:])
+            view[ids] = src[picked, lo:lo + segment.nbytes].reshape((len(ids),) + view.shape[1:])
+
+    def _gather_pages(self, block_ids: Sequence[int], out: np.ndarray, hasher: Callable[[], Hasher] | None
+                      ) -> list[int] | None:
+        """A gather page by page: each page is copied once, straight into
+        its row, and hashed while it is still in the CPU's caches."""
+        checksums = [] if hasher is not None else None
+        for j, block in enumerate(block_ids):
+            row = out[j]
+            h = hasher() if hasher is not None else None
+            for segment, view in zip(self._layer_segments, self._np_views):
+                lo = segment.offset
+                part = row[lo:lo + segment.nbytes]
+                np.copyto(part.reshape(view.shape[1:]), view[block])
+                if h is not None:
+                    h.update(part)
+            if h is not None:
+                checksums.append(h.intdigest())
+        return checksums
 
     # -- CUDA ----------------------------------------------------------------
 
