@@ -826,7 +826,7 @@ def main() -> int:
 
             for name in shm_names:
                 try:
-                    stop_server(name, rundir=shm_rundir)
+                    stop_server(name, shm_rundir)
                 except Exception as exc:
                     print(f"(could not stop shm server {name}: {exc})", flush=True)
         if not opts.work_dir and not opts.keep:
