@@ -59,8 +59,9 @@ class LoadObserver:
 
 
 class TimedReads(KVStore):
-    """A store whose ``get_into`` (and ``get_into_parts``) calls are timed into an observer as reads
-    of ``tier``; everything else is passed through."""
+    """A store whose ``get_into`` and ``get_into_parts`` calls are timed
+    into an observer as reads of ``tier``; everything else is passed
+    through."""
 
     def __init__(self, store: KVStore, tier: int, observer: LoadObserver) -> None:
         self.inner = store
