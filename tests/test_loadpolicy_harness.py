@@ -1,4 +1,4 @@
-"""load_policy under vLLM's real scheduler (tests/kvharness.py) against a real
+"""load_policy under vLLM's real scheduler (ucm_testing/kvharness.py) against a real
 slow store: a private redis-server behind a bandwidth-limiting TCP proxy
 (tests/throttle_proxy.py) whose rate the test sets and lifts.  The fake
 model sleeps per token it computes, so recomputing has a known price, and
@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from kvharness import Harness, reference_generate
+from ucm_testing.kvharness import Harness, reference_generate
 from throttle_proxy import ThrottleProxy
 
 BS = 16

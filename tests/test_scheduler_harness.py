@@ -1,4 +1,4 @@
-"""UCMConnector under vLLM's real scheduler (tests/kvharness.py): hits,
+"""UCMConnector under vLLM's real scheduler (ucm_testing/kvharness.py): hits,
 misses, chunked prefill, local prefix cache + store, preemption and resume,
 aborts mid-load, MultiConnector, and load failures in every load mode on
 every kind of store.  After every step the store must hold exactly the KV
@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from kvharness import Harness, reference_generate
+from ucm_testing.kvharness import Harness, reference_generate
 
 MODES = ["sync", "async", "layer"]
 STORES = ["disk", "shm", "redis", "tier"]

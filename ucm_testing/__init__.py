@@ -1,7 +1,9 @@
 """What the tests and the benchmarks share to set up real parts: private
 ``redis-server`` instances and a Redis Cluster on loopback (``servers``), a
-bandwidth-limiting TCP proxy in front of one (``throttle``), and waiting for
-a store's background writes to settle (``stores``).
+bandwidth-limiting TCP proxy in front of one (``throttle``), waiting for a
+store's background writes to settle (``stores``), and a harness that steps
+vLLM's real scheduler with a fake model over real stores (``kvharness``,
+imported by its module name: it needs vLLM).
 
 Installed with the distribution so that benchmarks import it without
 editing ``sys.path``; the product packages (``ucm_connector``,
