@@ -95,6 +95,22 @@ def _copy(dst: memoryview, src: memoryview) -> None:
         dst[:] = src
 
 
+def _value_slices(data: memoryview, chunk: int, runs, pos: int, end: int, nbytes: int) -> list[memoryview]:
+    """Views of the segment holding the first ``nbytes`` bytes of a value
+    whose runs are ``runs[pos:end]`` (pairs of first chunk and chunk count),
+    in order."""
+    slices = []
+    done = 0
+    for j in range(pos, end, 2):
+        if done >= nbytes:
+            break
+        n = min(runs[j + 1] * chunk, nbytes - done)
+        off = runs[j] * chunk
+        slices.append(data[off:off + n])
+        done += n
+    return slices
+
+
 class ShmStore(KVStore):
     """Client of one ``shm://NAME`` store.  Thread-safe: each thread talks to
     the server over its own socket; copies run in parallel."""
@@ -315,14 +331,7 @@ class ShmStore(KVStore):
                 off = runs[pos] * chunk
                 _copy(dst[0], data[off:off + size])
             else:
-                srcs = []
-                done = 0
-                for j in range(pos, end, 2):
-                    n = min(runs[j + 1] * chunk, size - done)
-                    off = runs[j] * chunk
-                    srcs.append(data[off:off + n])
-                    done += n
-                copy_into_parts(dst, srcs, _copy)
+                copy_into_parts(dst, _value_slices(data, chunk, runs, pos, end, size), _copy)
             copied[i] = True
             pos = end
         result = [c and u for c, u in zip(copied, self._unchanged(seg, gens, firsts))]
@@ -348,14 +357,7 @@ class ShmStore(KVStore):
             elif nruns[i] == 0:
                 values[i] = b""
             else:
-                parts = []
-                done = 0
-                for j in range(pos, end, 2):
-                    n = min(runs[j + 1] * chunk, size - done)
-                    off = runs[j] * chunk
-                    parts.append(data[off:off + n])
-                    done += n
-                values[i] = b"".join(parts)
+                values[i] = b"".join(_value_slices(data, chunk, runs, pos, end, size))
             pos = end
         torn = 0
         for i, unchanged in enumerate(self._unchanged(seg, gens, firsts)):
@@ -383,16 +385,7 @@ class ShmStore(KVStore):
                 continue
             end = pos + 2 * nruns[i]
             want = size if nbytes is None else min(nbytes, size)
-            parts = []
-            done = 0
-            for j in range(pos, end, 2):
-                if done >= want:
-                    break
-                n = min(runs[j + 1] * chunk, want - done)
-                off = runs[j] * chunk
-                parts.append(data[off:off + n])
-                done += n
-            out[i] = (size, b"".join(parts))
+            out[i] = (size, b"".join(_value_slices(data, chunk, runs, pos, end, want)))
             pos = end
         for i, unchanged in enumerate(self._unchanged(seg, gens, firsts)):
             if not unchanged:
