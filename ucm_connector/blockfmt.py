@@ -177,17 +177,23 @@ def pack_into(buf, namespace_digest: bytes, payload_nbytes: int, key: bytes = b"
     The point is one preallocated buffer per block: the transfer code gathers
     KV straight into its payload part and no copy is made to add the header.
     """
+    view = _block_buffer(buf, payload_nbytes, "pack_into")
+    header = _pack_header(namespace_digest, payload_nbytes,
+                          _checksum(view[HEADER_NBYTES:HEADER_NBYTES + payload_nbytes]), key)
+    view[:HEADER_NBYTES] = header
+
+
+def _block_buffer(buf, payload_nbytes: int, caller: str) -> memoryview:
+    """A writable byte view of ``buf``, checked to hold the header and a
+    ``payload_nbytes``-byte payload."""
     view = _byte_view(buf)
     if view.readonly:
-        raise ValueError("pack_into needs a writable buffer")
-    end = HEADER_NBYTES + payload_nbytes
-    if view.nbytes < end:
+        raise ValueError(f"{caller} needs a writable buffer")
+    if view.nbytes < HEADER_NBYTES + payload_nbytes:
         raise ValueError(
             f"buffer of {view.nbytes} bytes is too small for a {payload_nbytes}-byte payload "
             f"plus the {HEADER_NBYTES}-byte header")
-    header = _pack_header(namespace_digest, payload_nbytes,
-                          _checksum(view[HEADER_NBYTES:end]), key)
-    view[:HEADER_NBYTES] = header
+    return view
 
 
 def payload_hasher() -> "xxhash.xxh3_64":
@@ -201,13 +207,7 @@ def pack_header_into(buf, namespace_digest: bytes, payload_nbytes: int, payload_
                      key: bytes = b"") -> None:
     """``pack_into`` for a payload whose checksum the caller already took
     (``payload_hasher``) as it placed the payload in ``buf``."""
-    view = _byte_view(buf)
-    if view.readonly:
-        raise ValueError("pack_header_into needs a writable buffer")
-    if view.nbytes < HEADER_NBYTES + payload_nbytes:
-        raise ValueError(
-            f"buffer of {view.nbytes} bytes is too small for a {payload_nbytes}-byte payload "
-            f"plus the {HEADER_NBYTES}-byte header")
+    view = _block_buffer(buf, payload_nbytes, "pack_header_into")
     view[:HEADER_NBYTES] = _pack_header(namespace_digest, payload_nbytes, payload_checksum, key)
 
 
