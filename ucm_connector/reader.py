@@ -12,6 +12,8 @@ This module decides nothing about when or on which thread blocks are read
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from store_backends import StoreError
@@ -60,15 +62,17 @@ class BlockReader(BlockIO):
             self.report.failed("store load", exc)
             return [False] * len(keys)
 
-    def _check(self, keys: list[bytes], rows: np.ndarray, found: list[bool]) -> tuple[list[int], list[bytes]]:
-        """Indices of the rows that passed their checks, and keys of the
-        blocks that were found but failed them."""
+    def _check(self, keys: list[bytes], found: list[bool], verify: Callable[[int], object]
+               ) -> tuple[list[int], list[bytes]]:
+        """Indices of the blocks that were found and passed ``verify(i)``
+        (a ``blockfmt`` check of block i), and keys of the blocks that were
+        found but failed it."""
         good: list[int] = []
         bad_keys: list[bytes] = []
         for i, ok in enumerate(found):
             if ok:
                 try:
-                    blockfmt.verify(rows[i], self.namespace_digest, self.payload_nbytes, key=keys[i])
+                    verify(i)
                     good.append(i)
                 except blockfmt.BlockFormatError as exc:
                     self.report.failed(f"block check ({exc.reason})", exc)
@@ -102,7 +106,10 @@ class BlockReader(BlockIO):
                 # One batched read per chunk.  Reading a chunk ahead on
                 # another thread measured no faster on disk and 25% slower
                 # on shm on two cores (benchmarks/RESULTS.md).
-                good, chunk_bad_keys = self._check(chunk_keys, rows.rows, self._read(chunk_keys, rows.rows))
+                good, chunk_bad_keys = self._check(
+                    chunk_keys, self._read(chunk_keys, rows.rows),
+                    lambda i: blockfmt.verify(rows.rows[i], self.namespace_digest, self.payload_nbytes,
+                                              key=chunk_keys[i]))
             except BaseException:
                 rows.release()
                 raise
@@ -138,20 +145,10 @@ class BlockReader(BlockIO):
         except StoreError as exc:
             self.report.failed("store load", exc)
             found = [False] * len(keys)
-        bad: set[int] = set()
-        bad_keys: list[bytes] = []
-        for i, ok in enumerate(found):
-            if not ok:
-                bad.add(block_ids[i])
-                continue
-            try:
-                blockfmt.verify_parts(headers[i], parts[i][1:], self.namespace_digest, self.payload_nbytes,
-                                      key=keys[i])
-            except blockfmt.BlockFormatError as exc:
-                self.report.failed(f"block check ({exc.reason})", exc)
-                bad.add(block_ids[i])
-                bad_keys.append(keys[i])
-        return bad, bad_keys
+        good, bad_keys = self._check(
+            keys, found, lambda i: blockfmt.verify_parts(headers[i], parts[i][1:], self.namespace_digest,
+                                                         self.payload_nbytes, key=keys[i]))
+        return set(block_ids) - {block_ids[i] for i in good}, bad_keys
 
     def _drop(self, bad_keys: list[bytes], *, num_good: int, num_keys: int) -> None:
         """Delete the blocks that failed their checks and count the batch."""
