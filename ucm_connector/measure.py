@@ -70,20 +70,20 @@ class TimedReads(KVStore):
         self.url = store.url
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
-        t0 = time.perf_counter()
-        found = self.inner.get_into(keys, buffers)
-        seconds = time.perf_counter() - t0
-        nbytes = sum(memoryview(b).nbytes for b, ok in zip(buffers, found) if ok)
-        self.observer.read(self.tier, seconds, sum(1 for ok in found if ok), nbytes)
-        return found
+        return self._timed(self.inner.get_into, keys, [[b] for b in buffers], buffers)
 
     @property
     def reads_into_parts(self) -> bool:
         return self.inner.reads_into_parts
 
     def get_into_parts(self, keys, parts) -> list[bool]:
+        return self._timed(self.inner.get_into_parts, keys, parts, parts)
+
+    def _timed(self, read, keys, parts, arg) -> list[bool]:
+        """``read(keys, arg)``, told to the observer as one read of the
+        found values' bytes (``parts[i]`` hold value i)."""
         t0 = time.perf_counter()
-        found = self.inner.get_into_parts(keys, parts)
+        found = read(keys, arg)
         seconds = time.perf_counter() - t0
         nbytes = sum(memoryview(p).nbytes for ps, ok in zip(parts, found) if ok for p in ps)
         self.observer.read(self.tier, seconds, sum(1 for ok in found if ok), nbytes)
