@@ -58,7 +58,9 @@ Steps (each may carry a "name"; results are keyed by it):
   the limit; ``{"op": "throttle", "below_break_even": F, "cold_step": N}``:
   to F times slower than this engine's prefill, as step N (one prompt,
   computed with no reuse) measured it: a block's KV bytes over the seconds
-  N took per block of its prompt.
+  N took per block of its prompt.  Its result carries ``block_nbytes``, and
+  with a proxy every step's result carries ``proxy_down_bytes``: the bytes
+  the proxy had carried from the server by the step's end, all steps so far.
 * ``{"op": "subscribe"}``: connect a ZMQ subscriber to the engine's KV-event
   publisher (``kv_events_port``) and collect what it publishes;
   ``{"op": "events"}`` returns the events collected so far (each a dict:
@@ -428,7 +430,7 @@ def main(spec_path: str, out_path: str) -> int:
             elif op == "throttle":
                 rate = throttle_rate(llms[i], step, result["steps"])
                 proxy.set_rate(rate)
-                res = {"rate": rate}
+                res = {"rate": rate, "block_nbytes": block_nbytes(llms[i])}
             elif op == "subscribe":
                 subscriber = EventSubscriber(int(specs[i]["kv_events_port"]))
                 time.sleep(0.5)   # a SUB socket misses what is sent before it joins
@@ -438,6 +440,8 @@ def main(spec_path: str, out_path: str) -> int:
             else:
                 raise ValueError(f"unknown step op {op!r}")
             res["op"] = op
+            if proxy is not None:
+                res["proxy_down_bytes"] = proxy.down.nbytes
             result["steps"][name] = res
             dump()
         result["ok"] = True

@@ -4,11 +4,11 @@ store: a private redis-server behind a bandwidth-limiting TCP proxy
 recomputes, as measured in the same run, then lifted.
 
 One runner process (tests/e2e_runner.py) holds three engines at once, each
-idle while another runs, so that timings compared are taken back to back
-under the same load from elsewhere on the host:
+idle while another runs:
 
-* ``ref``: no connector, vLLM's own prefix cache on (reset before each
-  timed request, so a timed request is computed from scratch);
+* ``ref``: no connector, vLLM's own prefix cache on (reset before the
+  request whose time sets the throttle, so that one is computed from
+  scratch);
 * ``always`` and ``auto``: UCMConnector on the same Redis namespace, through
   the proxy, prefix caching off (every reused token comes from the store).
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import sysconfig
@@ -37,7 +36,7 @@ ROOT = os.path.dirname(HERE)
 SMOL = os.path.join(ROOT, "models", "smollm2-135m")
 BLOCK = 128
 BELOW_BREAK_EVEN = 5
-TTFT_PAIRS = 5
+SLOW_REQUESTS = 5
 LIFTED = 6
 REF, ALWAYS, AUTO = 0, 1, 2
 
@@ -75,16 +74,15 @@ def _steps() -> list[dict]:
         _gen("always_warm", ALWAYS, P),
         _gen("auto_other", AUTO, Q),
         _gen("auto_warm", AUTO, P),
-        _reset(REF), _gen("ref_ttft_calibrate", REF, P, 1),
+        _reset(REF), _gen("ref_calibrate", REF, P, 1),
         {"op": "throttle", "name": "throttle", "engine": REF, "below_break_even": BELOW_BREAK_EVEN,
-         "cold_step": "ref_ttft_calibrate"},
+         "cold_step": "ref_calibrate"},
         # Two reads in a row far off the estimate: auto learns the store is slow.
         _gen("auto_slow_1", AUTO, P),
         _gen("auto_slow_2", AUTO, P),
     ]
-    for k in range(TTFT_PAIRS):
-        steps += [_reset(REF), _gen(f"ref_ttft_{k}", REF, P, 1), _gen(f"auto_ttft_{k}", AUTO, P, 1)]
-    steps += [_reset(REF), _gen("ref_ttft_always", REF, P, 1), _gen("always_ttft", ALWAYS, P, 1),
+    steps += [_gen(f"auto_skipped_{k}", AUTO, P, 1) for k in range(SLOW_REQUESTS)]
+    steps += [_gen("always_slow", ALWAYS, P, 1),
               {"op": "throttle", "name": "lift", "engine": REF, "rate": None}]
     steps += [_gen(f"auto_lifted_{k}", AUTO, P) for k in range(LIFTED)]
     return steps
@@ -164,8 +162,8 @@ def test_throttled_far_below_break_even_auto_recomputes_and_always_loads(run):
     assert steps["throttle"]["rate"] > 0
     assert [_cached(steps[f"auto_slow_{k}"]) for k in (1, 2)] == [FULL, FULL], \
         "auto changed its mind on fewer than two slow reads"
-    assert [_cached(steps[f"auto_ttft_{k}"]) for k in range(TTFT_PAIRS)] == [0] * TTFT_PAIRS
-    assert _cached(steps["always_ttft"]) == FULL
+    assert [_cached(steps[f"auto_skipped_{k}"]) for k in range(SLOW_REQUESTS)] == [0] * SLOW_REQUESTS
+    assert _cached(steps["always_slow"]) == FULL
     # The auto engine's /metrics (the last engine made owns vLLM's registry
     # in this process): its counts reach the frontend a step or so late, so
     # over the whole run, which ends with hits that were loaded.
@@ -176,14 +174,29 @@ def test_throttled_far_below_break_even_auto_recomputes_and_always_loads(run):
     assert run["log"].count("load_policy auto: not loading hits from store") == 1
 
 
-def test_throttled_auto_is_as_fast_as_no_connector_and_always_clearly_slower(run):
-    """Time to first token, each figure a ratio of two requests taken back to
-    back (the host is shared and noisy)."""
+def _carried(steps: dict, first: str, last: str) -> int:
+    """Bytes the proxy carried from the server from ``first``'s start to
+    ``last``'s end."""
+    names = list(steps)
+    before = steps[names[names.index(first) - 1]]["proxy_down_bytes"]
+    return steps[last]["proxy_down_bytes"] - before
+
+
+def test_throttled_auto_reads_no_more_than_its_probes_and_always_reads_the_prefix(run):
+    """What crossed the slow link, in bytes from the server: while auto
+    recomputes, only its background probes (PROBE_BLOCKS blocks per request
+    at most); always reads every block of the stored prefix.  How long each
+    takes is benchmarks/load_policy_bench.py's to measure, not a test's."""
+    from ucm_connector.loadpolicy import PROBE_BLOCKS
+
     steps = run["steps"]
-    ratios = [steps[f"auto_ttft_{k}"]["seconds"] / steps[f"ref_ttft_{k}"]["seconds"] for k in range(TTFT_PAIRS)]
-    assert statistics.median(ratios) <= 1.05, f"auto / no connector: {[round(r, 3) for r in ratios]}"
-    always = steps["always_ttft"]["seconds"] / steps["ref_ttft_always"]["seconds"]
-    assert always >= 2.0, f"always / no connector: {always:.2f}"
+    block = steps["throttle"]["block_nbytes"]
+    auto = _carried(steps, "auto_skipped_0", f"auto_skipped_{SLOW_REQUESTS - 1}")
+    assert auto <= (SLOW_REQUESTS * PROBE_BLOCKS + 1) * block, \
+        f"auto read {auto / block:.1f} blocks' bytes over {SLOW_REQUESTS} requests it recomputed"
+    always = _carried(steps, "always_slow", "always_slow")
+    assert always >= (FULL // BLOCK) * block, \
+        f"always read {always / block:.1f} blocks' bytes for a hit of {FULL // BLOCK} blocks"
 
 
 def test_once_the_throttle_is_lifted_auto_loads_again_within_a_few_requests(run):
