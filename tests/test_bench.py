@@ -79,7 +79,7 @@ class FlippingStore(MemStore):
     def get_into(self, keys, buffers):
         answers = super().get_into(keys, buffers)
         for key, buf, ok in zip(keys, buffers, answers):
-            if ok and key.endswith(b":5"):
+            if ok and key.endswith(b":%010d" % 5):
                 buf[100] ^= 0x01
         return answers
 
@@ -89,7 +89,7 @@ class ForgetfulStore(MemStore):
 
     def put(self, keys, values):
         answers = super().put(keys, values)
-        self.delete([key for key in keys if key.endswith(b":7")])
+        self.delete([key for key in keys if key.endswith(b":%010d" % 7)])
         return answers
 
 
@@ -190,7 +190,7 @@ def test_flipped_byte_exits_1_naming_key_and_block(tmp_path, capsys):
     assert status == 1
     err = capsys.readouterr().err
     assert "VERIFY FAILED" in err
-    assert "block 5" in err and "wrong bytes" in err and ":5'" in err
+    assert "block 5" in err and "wrong bytes" in err and ":0000000005'" in err
     assert "first at offset 100" in err
     assert report["verified"] is False
     assert len(report["failures"]) == 3  # once in the warm-up round and once in each timed round

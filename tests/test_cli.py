@@ -21,6 +21,7 @@ import pytest
 
 from servers import RedisServer, free_port
 from store_backends import StoreError, check_runtime_dir, open_store, server_running, stop_server
+from store_backends.shm import keytable
 from ucm_connector import blockfmt
 from ucm_connector.config import UCMConfig, UCMConfigError
 from ucm_connector.hashing import BlockHasher, Namespace
@@ -546,6 +547,9 @@ def test_shm_status_and_stop(unique_name):
         status = ucm("shm", "status", unique_name, "--json")
         assert status.returncode == 0
         assert json.loads(status.stdout)["num_blocks"] == 2
+        if keytable.supported():
+            assert json.loads(status.stdout)["key_table_live"] == 2
+            assert "key table answers lookups: 2 keys" in ucm("shm", "status", unique_name).stdout
         assert unique_name in ucm("shm", "list").stdout
         declined = ucm("shm", "stop", unique_name, input="n\n")
         assert declined.returncode == 1 and server_running(unique_name)

@@ -124,7 +124,8 @@ class Bench:
             self.raw_figures[op].rounds.append(result)
 
     def run_round(self, index: int, label: str, timed: bool) -> None:
-        keys = [self.key_prefix + f"{label}:{i}".encode() for i in range(self.cfg.num_blocks)]
+        # One length for every key of a round, like the connector's content addresses.
+        keys = [self.key_prefix + f"{label}:{i:010d}".encode() for i in range(self.cfg.num_blocks)]
         self.live_keys = keys
         if self.raw is not None:
             self.raw.start_round(label)

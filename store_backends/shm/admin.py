@@ -58,6 +58,11 @@ class ServerStatus:
     lease_timeout_s: float | None = None
     data_path: str | None = None
     gen_path: str | None = None
+    keys_path: str | None = None
+    key_table_slots: int | None = None
+    key_table_live: int | None = None
+    key_table_used: int | None = None
+    key_table_active: bool | None = None
     gets: int = 0
     hits: int = 0
     misses: int = 0

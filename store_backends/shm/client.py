@@ -4,7 +4,8 @@ The values live in a data segment under /dev/shm that every client maps; a
 small index server (``server``, one per NAME, started on demand and detached
 so it outlives the process that started it) owns the LRU index and hands out
 chunks of the segment.  This module owns the store's operations: it parses
-the URL, packs the requests of put, get, lookups and deletes, copies values
+the URL, packs the requests of put, get, lookups and deletes, answers
+lookups from the server's key table (``keytable``) when it can, copies values
 between the caller's buffers and the segment (once, with no intermediate
 buffer), and checks the chunk generations after each read so that a value
 overwritten or evicted during the copy is a miss, never a wrong value.  It
@@ -61,7 +62,9 @@ from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, Store
                     byte_view, copy_into_parts)
 from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
 from . import admin
+from ..process import pid_alive
 from .connection import NoAnswer, ServerConnection
+from .keytable import fingerprints
 from .launch import ServerSettings
 from .paths import Paths, name_arg, valid_name
 from .protocol import DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, Alloc, Flag, Op, Status, pack_keys, unpack_keys
@@ -411,9 +414,25 @@ class ShmStore(KVStore):
         for start in range(0, len(keys), batch):
             yield keys[start:start + batch]
 
+    def _published(self, keys: Sequence[bytes]) -> np.ndarray | None:
+        """Which keys are stored, from the server's key table, with no
+        request; None when the table cannot tell now (none published, being
+        rebuilt, or its server gone): then ask."""
+        seg = self._conn.mapped()
+        if seg is None or seg.keys is None or not pid_alive(seg.server_pid):
+            return None
+        try:
+            fps = fingerprints(keys)
+        except (TypeError, ValueError):
+            return None     # not bytes, or empty: the request path says what is wrong
+        return seg.keys.lookup(fps)
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
+        found = self._published(keys)
+        if found is not None:
+            return found.tolist()
         key_len, key_frames = pack_keys(keys)
         _seg, _status, out = self._request(Op.CONTAINS, key_frames, key_len=key_len, bound=False)
         return np.frombuffer(out[0], dtype=np.bool_).tolist()
@@ -421,6 +440,10 @@ class ShmStore(KVStore):
     def prefix_len(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
+        found = self._published(keys)
+        if found is not None:
+            missing = np.flatnonzero(~found)
+            return int(missing[0]) if missing.size else len(keys)
         key_len, key_frames = pack_keys(keys)
         _seg, _status, out = self._request(Op.PREFIX, key_frames, key_len=key_len, bound=False)
         return int.from_bytes(out[0], "little", signed=True)
@@ -443,7 +466,8 @@ class ShmStore(KVStore):
         info = json.loads(out[0])
         extra = {k: info[k] for k in ("epoch", "pid", "chunk_nbytes", "num_chunks", "free_chunks",
                                       "leased_chunks", "used_chunks", "num_leases", "uptime_s",
-                                      "leases_reclaimed", "idle_timeout_s", "lease_timeout_s") if k in info}
+                                      "leases_reclaimed", "idle_timeout_s", "lease_timeout_s", "key_table_slots",
+                                      "key_table_live", "key_table_used", "key_table_active") if k in info}
         extra["server_pid"] = extra.pop("pid", None)
         extra["torn_reads"] = torn
         extra["data_path"] = info.get("data_path")

@@ -284,6 +284,14 @@ class ServerConnection:
 
     # ------------------------------------------------------------ requests
 
+    def mapped(self) -> Segments | None:
+        """The segments mapped now, if they are believed current (no request
+        is made: a caller that finds none asks the server)."""
+        seg = self._seg
+        if seg is None or self._seg_broken or self._closed:
+            return None
+        return seg
+
     def _segments(self, deadline: float) -> Segments:
         seg = self._seg
         if seg is None or self._seg_broken or self._closed:

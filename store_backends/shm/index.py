@@ -8,7 +8,8 @@ reports, and the handlers of the ops that touch them (``op_get``,
 ``op_alloc``, ``op_commit``...), which unpack keys and pack their replies
 as ``protocol`` says.  Bumps a chunk's generation (in the array it is
 handed, the shared generation segment) whenever it frees the chunk, before
-the chunk can be handed out again.
+the chunk can be handed out again, and keeps the key table
+(``keytable``, when the server publishes one) in step with the index.
 
 Pure bookkeeping in one process: must not touch a socket, a file, a signal
 or the values' bytes; the server process (``server``) owns those and calls
@@ -25,13 +26,16 @@ import time
 import numpy as np
 
 from ..process import pid_alive
+from .keytable import KeyTableWriter, fingerprints
 from .protocol import Alloc, Flag, Status, pack_keys, unpack_keys
 
 
 class Entry:
-    """A committed value: ``runs`` is (start, count) int32 pairs as bytes."""
+    """A committed value: ``runs`` is (start, count) int32 pairs as bytes;
+    ``fp`` its key's fingerprint and ``slot`` where the key table holds it
+    (-1: nowhere)."""
 
-    __slots__ = ("size", "runs", "nruns", "nchunks", "first", "gen")
+    __slots__ = ("size", "runs", "nruns", "nchunks", "first", "gen", "fp", "slot")
 
     def __init__(self, size: int, runs: bytes, nruns: int, nchunks: int, first: int, gen: int) -> None:
         self.size = size
@@ -40,6 +44,8 @@ class Entry:
         self.nchunks = nchunks
         self.first = first
         self.gen = gen
+        self.fp = 0
+        self.slot = -1
 
 
 class Lease:
@@ -57,13 +63,15 @@ class Lease:
 class ChunkIndex:
     """The index, free list and leases of ``num_chunks`` chunks of
     ``chunk_nbytes``.  ``gen`` (one uint64 per chunk) must be set before the
-    first request: the server creates it with the segments."""
+    first request: the server creates it with the segments, and ``table``
+    with them where it publishes a key table."""
 
     def __init__(self, num_chunks: int, chunk_nbytes: int, lease_timeout_s: float) -> None:
         self.num_chunks = num_chunks
         self.chunk_nbytes = chunk_nbytes
         self.lease_timeout_s = lease_timeout_s
         self.gen: np.ndarray | None = None
+        self.table: KeyTableWriter | None = None
         self.index: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
         self.free: collections.deque[tuple[int, int]] = collections.deque([(0, num_chunks)])
         self.free_chunks = num_chunks
@@ -94,6 +102,7 @@ class ChunkIndex:
 
     def _evict_oldest(self) -> None:
         key, entry = self.index.popitem(last=False)
+        self._unpublish(entry)
         self._drop(entry)
         self.counters["evictions"] += 1
 
@@ -101,6 +110,22 @@ class ChunkIndex:
         self.nbytes -= entry.size
         if entry.nchunks:
             self._free_runs(entry.runs)
+
+    def _unpublish(self, entry: Entry) -> None:
+        if self.table is not None:
+            self.table.remove(entry.slot)
+            entry.slot = -1
+
+    def _sync_table(self) -> None:
+        """Rebuild the key table when tombstones fill it, or when it was
+        switched off and the index is small enough again."""
+        table = self.table
+        if table is None or not table.needs_rebuild(len(self.index)):
+            return
+        entries = list(self.index.values())
+        slots = table.rebuild(np.fromiter((e.fp for e in entries), np.uint64, len(entries)))
+        for i, entry in enumerate(entries):
+            entry.slot = -1 if slots is None else int(slots[i])
 
     def _allocate(self, nchunks: int) -> list[tuple[int, int]] | None:
         if nchunks > self.num_chunks - self.leased_chunks:
@@ -235,6 +260,7 @@ class ChunkIndex:
             nruns.append(len(runs))
             run_frames.append(flat)
         self.counters["puts"] += len(keys)
+        self._sync_table()   # evictions left tombstones
         lease_id = 0
         if lease.items:
             lease_id = self.next_lease
@@ -247,7 +273,9 @@ class ChunkIndex:
         if lease is None:
             return Status.LEASE_GONE, []
         index = self.index
-        for key, entry, runs in lease.items:
+        table = self.table
+        fps = fingerprints([key for key, _entry, _runs in lease.items]) if table is not None else None
+        for i, (key, entry, runs) in enumerate(lease.items):
             self.leased_chunks -= entry.nchunks
             old = index.get(key)
             if old is not None:
@@ -260,8 +288,13 @@ class ChunkIndex:
                     continue
                 del index[key]
                 self._drop(old)
+                entry.fp, entry.slot = old.fp, old.slot     # the same key, already published
+            elif table is not None:
+                entry.fp = int(fps[i])
+                entry.slot = table.insert(entry.fp)
             index[key] = entry
             self.nbytes += entry.size
+        self._sync_table()
         return Status.OK, []
 
     def op_abort(self, flags, key_len, arg, frames):
@@ -275,13 +308,17 @@ class ChunkIndex:
         for key in keys:
             entry = self.index.pop(key, None)
             if entry is not None:
+                self._unpublish(entry)
                 self._drop(entry)
+        self._sync_table()
         return Status.OK, []
 
     def op_clear(self, flags, key_len, arg, frames):
         while self.index:
             _key, entry = self.index.popitem(last=False)
             self._drop(entry)
+        if self.table is not None:
+            self.table.rebuild(np.zeros(0, np.uint64))
         return Status.OK, []
 
     def op_keys(self, flags, key_len, arg, frames):

@@ -1,7 +1,7 @@
 """Mapping the segments of an shm server epoch into a client.
 
-Owns the one way a client maps shared memory: only the data and generation
-segments that ``paths`` defines for this NAME and the epoch the server's
+Owns the one way a client maps shared memory: only the data, generation
+and key-table segments that ``paths`` defines for this NAME and the epoch the server's
 HELLO announced, never through a symlink, only regular files of this user
 at least as large as announced; and ``Segments``, the immutable snapshot of
 one epoch's mappings that an operation keeps using while another thread
@@ -18,6 +18,7 @@ import stat
 
 import numpy as np
 
+from .keytable import KeyTableReader, segment_nbytes
 from .paths import Paths, name_arg
 
 
@@ -69,7 +70,7 @@ class Segments:
     """The mapped segments of one server epoch.  Immutable: an operation
     keeps using the snapshot it started with, also if another thread remaps."""
 
-    __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "_maps")
+    __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "keys", "_maps")
 
     def __init__(self, info: dict, paths: Paths, populate: bool) -> None:
         try:
@@ -94,12 +95,33 @@ class Segments:
             data_mm.close()
             raise
         self._maps = (data_mm, gen_mm)
+        self.keys: KeyTableReader | None = None
+        slots = info.get("key_table_slots") or 0
+        if info.get("keys_path") is not None and isinstance(slots, int) and 0 < slots < 2**40:
+            try:
+                keys_mm = map_segment(info["keys_path"], paths.segment(self.epoch, "keys"), segment_nbytes(slots),
+                                      writable=False, populate=False, server_pid=self.server_pid,
+                                      name_arg=name_arg(paths.name))
+            except BaseException:
+                data_mm.close()
+                gen_mm.close()
+                raise
+            self._maps += (keys_mm,)
+            try:
+                self.keys = KeyTableReader(keys_mm, slots)
+            except ValueError as exc:
+                self.release()
+                raise BadServer(f"the shm server's key table is malformed ({exc}); stop it "
+                                f"(`ucm shm stop {name_arg(paths.name)}`)") from None
         self.data = memoryview(data_mm)
         self.gen = np.frombuffer(gen_mm, dtype=np.uint64)
 
     def release(self) -> None:
-        self.data.release()
+        data = getattr(self, "data", None)
+        if data is not None:
+            data.release()
         self.gen = None
+        self.keys = None
         for mm in self._maps:
             try:
                 mm.close()

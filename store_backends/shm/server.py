@@ -7,7 +7,9 @@ per-chunk generation counter (in a small second segment that clients map
 read-only) whenever it frees a chunk.  A reader copies a value and then
 re-reads the generation of the value's first chunk: if it changed, the value
 may have been overwritten during the copy and the read is a miss.  Readers
-therefore pin nothing, and a reader that dies leaves nothing behind.
+therefore pin nothing, and a reader that dies leaves nothing behind.  A
+third segment, the key table (``keytable``), lets clients answer lookups
+without a request.
 
 Writers allocate chunks under a lease (one request), copy their values in,
 and commit (a second request); a value becomes visible only at commit.  The
@@ -41,6 +43,7 @@ import time
 import numpy as np
 import zmq
 
+from . import keytable
 from .index import ChunkIndex, Entry, Lease
 from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, lock_until, valid_name
 from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EPOCH_FREE_OPS, EXIT_ALREADY_RUNNING,
@@ -80,6 +83,9 @@ class IndexServer:
         self.stopping = False
         self.pid_fd = -1
         self._gen_mm = None
+        self._keys_mm = None
+        self.keys_path: str | None = None
+        self.key_table_slots = keytable.table_slots(num_chunks) if keytable.supported() else 0
         self.started = time.time()
 
     # -- life cycle
@@ -119,21 +125,21 @@ class IndexServer:
             _unlink(data_path)
             raise
         os.close(fd)
-        gen_nbytes = self.num_chunks * 8
-        fd = os.open(gen_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, gen_nbytes)
-            os.posix_fallocate(fd, 0, gen_nbytes)
-            self._gen_mm = mmap.mmap(fd, gen_nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        self._gen_mm = _create_mapped(gen_path, self.num_chunks * 8)
         self.chunks.gen = np.frombuffer(self._gen_mm, dtype=np.uint64)
         self.data_path = data_path
         self.gen_path = gen_path
+        if self.key_table_slots:
+            keys_path = self.paths.segment(self.epoch, "keys")
+            self._keys_mm = _create_mapped(keys_path, keytable.segment_nbytes(self.key_table_slots))
+            self.keys_path = keys_path
+            self.chunks.table = keytable.KeyTableWriter(self._keys_mm, self.key_table_slots)
 
     def cleanup(self) -> None:
+        if self.chunks.table is not None:
+            self.chunks.table.close()   # a client that still maps it asks, and finds us gone
         _unlink(self.paths.socket)
-        for path in (getattr(self, "data_path", None), getattr(self, "gen_path", None)):
+        for path in (getattr(self, "data_path", None), getattr(self, "gen_path", None), self.keys_path):
             if path:
                 _unlink(path)
         # The PID lock stays held until the process is gone (the kernel drops
@@ -233,6 +239,7 @@ class IndexServer:
             "protocol": PROTOCOL_VERSION, "name": self.name, "epoch": self.epoch, "pid": os.getpid(),
             "chunk_nbytes": self.chunk_nbytes, "num_chunks": self.num_chunks,
             "data_path": self.data_path, "gen_path": self.gen_path,
+            "keys_path": self.keys_path, "key_table_slots": self.key_table_slots,
         }
 
     def _op_hello(self, flags, key_len, arg, frames):
@@ -241,6 +248,8 @@ class IndexServer:
     def _op_stats(self, flags, key_len, arg, frames):
         info = self._info()
         info.update(self.chunks.figures())
+        if self.chunks.table is not None:
+            info.update(self.chunks.table.figures())
         info.update({
             "uptime_s": time.time() - self.started,
             "idle_timeout_s": self.idle_timeout_s, "lease_timeout_s": self.lease_timeout_s,
@@ -251,6 +260,20 @@ class IndexServer:
     def _op_shutdown(self, flags, key_len, arg, frames):
         self.stopping = True
         return Status.OK, []
+
+
+def _create_mapped(path: str, nbytes: int) -> mmap.mmap:
+    """A new segment file of ``nbytes``, reserved and mapped read-write."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        _unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:

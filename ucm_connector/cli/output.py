@@ -234,4 +234,10 @@ def print_shm_status_text(name: str, status: ServerStatus) -> None:
     print(f"  open write leases {status.num_leases} ({status.leased_chunks} chunks), "
           f"leases reclaimed {status.leases_reclaimed}, idle timeout "
           f"{'never' if status.idle_timeout_s is None else str(status.idle_timeout_s) + ' s'}")
+    if status.key_table_slots:
+        state = "answers lookups" if status.key_table_active else "switched off (lookups ask the server)"
+        print(f"  key table {state}: {plural(status.key_table_live, 'key')}, {status.key_table_used} of "
+              f"{status.key_table_slots} slots used")
+    else:
+        print("  key table: none (lookups ask the server)")
     print(f"  segment {status.data_path}")

@@ -1,0 +1,303 @@
+"""The key table of an shm server: which keys are stored, readable by every
+client without asking the server.
+
+The server publishes, in a third shared-memory segment, an open-addressing
+hash table of 64-bit key fingerprints (linear probing).  It is the only
+writer; clients map the segment read-only and answer ``contains`` and
+``prefix_len`` from it, with no round trip to the server.  A fingerprint
+can in principle stand for two keys (about one chance in 2**64 per pair),
+which makes a lookup say "stored" for a key that is not: the get that
+follows then misses, as it would for a block evicted in between.
+
+How a reader stays right while the server writes:
+
+* single updates never move an entry: a commit writes a fingerprint into a
+  free slot (empty, or a tombstone), a removal writes a tombstone over it.
+  An aligned 8-byte store is seen whole or not at all, so a lookup racing
+  an update answers as if it ran just before or just after it;
+* whole-table changes (rebuild to clear tombstones, clear) are bracketed by
+  a sequence number made odd first and even after (a seqlock): a reader
+  that saw it odd or changed asks the server instead;
+* the server marks the table closed when it exits, and a reader checks the
+  server process is alive: a table left by a dead server is never used.
+
+This relies on stores not being reordered with other stores, nor loads
+with other loads (x86-64's memory model); elsewhere the server publishes
+no table and clients ask it.  Owns the table's layout, the fingerprint and
+both ends' operations on it.  Must not know keys' values, chunks or
+sockets: ``index`` decides what is stored and calls the writer's methods,
+``client`` calls the reader's.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+
+import numpy as np
+
+#: The header: magic, seq, slots, live, used (live + tombstones), state.
+HEADER_WORDS = 8
+HEADER_NBYTES = HEADER_WORDS * 8
+MAGIC = 0x3130_7962_6174_6B75      # "uktaby01" in little-endian bytes
+_MAGIC, _SEQ, _SLOTS, _LIVE, _USED, _STATE = range(6)
+ACTIVE, DISABLED, CLOSED = 1, 2, 3
+
+EMPTY = np.uint64(0)
+TOMBSTONE = np.uint64(1)
+MIN_SLOTS = 4096
+MAX_PROBES = 64                     # a reader that probes this far asks the server
+REBUILD_USED = 0.75                 # used/slots past which the writer rebuilds
+MAX_LIVE = 0.5                      # live/slots past which the table is switched off
+
+_K = np.uint64(0x9E3779B97F4A7C15)
+_L = np.uint64(0x2545F4914F6CDD1D)
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
+def supported() -> bool:
+    """Whether this machine's memory model keeps the table's readers right."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def table_slots(num_chunks: int) -> int:
+    """Slots for a server of ``num_chunks`` chunks: a power of two, at least
+    four per chunk, so that the table is at most a quarter full while every
+    value takes a chunk."""
+    return max(MIN_SLOTS, 1 << (4 * max(1, num_chunks) - 1).bit_length())
+
+
+def segment_nbytes(slots: int) -> int:
+    return HEADER_NBYTES + 8 * slots
+
+
+class _Scratch:
+    """Arrays reused across calls: a fresh temporary of a few hundred KiB
+    per operation costs more than the arithmetic on it (the allocator maps
+    it, the kernel faults it in, and it is handed back).  One caller at a
+    time holds them (``hold``); a caller that finds them held, or a batch
+    too large, works with fresh arrays."""
+
+    LIMIT = 8 << 20
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+        self.lock = threading.Lock()
+
+    def take(self, name: str, shape: tuple[int, ...], dtype, held: bool) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if not held or nbytes > self.LIMIT:
+            return np.empty(shape, dtype)
+        buf = self.buffers.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.buffers[name] = np.empty(max(nbytes, 64 << 10), np.uint8)
+        return buf[:nbytes].view(dtype).reshape(shape)
+
+
+_scratch = _Scratch()
+
+
+def _fmix(h: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """murmur3's 64-bit finaliser, in place (``tmp``: scratch of h's shape):
+    a bijection with fmix(0) == 0."""
+    for m in (_M1, _M2, None):
+        np.right_shift(h, _S33, out=tmp)
+        np.bitwise_xor(h, tmp, out=h)
+        if m is not None:
+            np.multiply(h, m, out=h)
+    return h
+
+
+def fingerprints(keys) -> np.ndarray:
+    """A uint64 fingerprint per key (never 0 or 1), the same in every
+    process of this host and whatever else is in the batch.  The key's
+    bytes, zero-padded to 8-byte words, each word times an odd constant of
+    its position and finalised, summed with the key's length, finalised
+    again.  A zero word adds nothing, so padding a batch to its longest key
+    changes no fingerprint, and the whole batch is a few array passes."""
+    n = len(keys)
+    if n == 0:
+        return np.zeros(0, np.uint64)
+    held = _scratch.lock.acquire(blocking=False)
+    try:
+        return _fingerprints(keys, n, held)
+    finally:
+        if held:
+            _scratch.lock.release()
+
+
+def _fingerprints(keys, n: int, held: bool) -> np.ndarray:
+    lengths = list(map(len, keys))
+    first = lengths[0]
+    data = np.frombuffer(b"".join(keys), np.uint8)
+    if first and lengths.count(first) == n:     # keys of one length: content addresses
+        width = -(-first // 8) * 8
+        if width == first:
+            raw = data.reshape(n, first)
+        else:
+            raw = _scratch.take("raw", (n, width), np.uint8, held)
+            raw[:, :first] = data.reshape(n, first)
+            raw[:, first:] = 0
+        h = np.full(n, first, np.uint64)
+    else:
+        lens = np.array(lengths, np.int64)
+        if not lens.min():
+            raise ValueError("store keys must not be empty")
+        width = -(-int(lens.max()) // 8) * 8
+        raw = _scratch.take("raw", (n, width), np.uint8, held)
+        raw.fill(0)
+        # Row by row, the cells inside each key are the keys' bytes in order.
+        raw[np.arange(width)[None, :] < lens[:, None]] = data
+        h = lens.astype(np.uint64)
+    words = _scratch.take("words", (n, width // 8), np.uint64, held)
+    np.multiply(raw.view(np.uint64), _position_constants(width // 8), out=words)
+    _fmix(words, _scratch.take("tmp", words.shape, np.uint64, held))
+    h *= _L
+    for j in range(words.shape[1]):      # a few columns: faster than sum(axis=1)
+        h += words[:, j]
+    _fmix(h, np.empty_like(h))
+    h[h < 2] += np.uint64(2)         # 0 and 1 mark empty slots and tombstones
+    return h
+
+
+def _position_constants(m: int) -> np.ndarray:
+    return (np.arange(m, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * _K
+
+
+class KeyTableWriter:
+    """The server's side, over the writable segment ``buf`` of ``slots``
+    slots (a power of two)."""
+
+    def __init__(self, buf, slots: int) -> None:
+        words = np.frombuffer(buf, np.uint64, count=HEADER_WORDS + slots)
+        self.header = words[:HEADER_WORDS]
+        self.table = words[HEADER_WORDS:]
+        self.slots = slots
+        self.mask = slots - 1
+        self.table[:] = EMPTY
+        self.header[:] = 0
+        self.header[_SLOTS] = slots
+        self.header[_STATE] = ACTIVE
+        self.header[_MAGIC] = MAGIC
+
+    @property
+    def active(self) -> bool:
+        return int(self.header[_STATE]) == ACTIVE
+
+    def figures(self) -> dict:
+        return {"key_table_slots": self.slots, "key_table_live": int(self.header[_LIVE]),
+                "key_table_used": int(self.header[_USED]), "key_table_active": self.active}
+
+    def insert(self, fp: int) -> int:
+        """Publish ``fp``; its slot (-1 while the table is switched off, or
+        once it is too full: the caller rebuilds)."""
+        if not self.active:
+            return -1
+        table, mask = self.table, self.mask
+        pos = fp & mask
+        for _ in range(self.slots):
+            value = table[pos]
+            if value == EMPTY or value == TOMBSTONE:
+                if value == EMPTY:
+                    self.header[_USED] += np.uint64(1)
+                table[pos] = fp
+                self.header[_LIVE] += np.uint64(1)
+                return pos
+            pos = (pos + 1) & mask
+        return -1
+
+    def remove(self, slot: int) -> None:
+        if slot >= 0 and self.active:
+            self.table[slot] = TOMBSTONE
+            self.header[_LIVE] -= np.uint64(1)
+
+    def needs_rebuild(self, num_stored: int) -> bool:
+        """Whether to rebuild now, with ``num_stored`` keys stored: too many
+        tombstones, or switched off and back to a quarter full."""
+        if self.active:
+            return int(self.header[_USED]) > REBUILD_USED * self.slots
+        return num_stored <= MAX_LIVE * self.slots / 2
+
+    def rebuild(self, fps: np.ndarray) -> np.ndarray | None:
+        """Replace the table's contents with ``fps`` (every stored key's);
+        their slots, or None with the table switched off when they would
+        fill more than half of it.  Readers meanwhile ask the server."""
+        header = self.header
+        header[_SEQ] += np.uint64(1)          # odd: readers stay away
+        try:
+            self.table[:] = EMPTY
+            header[_LIVE] = header[_USED] = 0
+            if len(fps) > MAX_LIVE * self.slots:
+                header[_STATE] = DISABLED
+                return None
+            slots = self._place(fps)
+            header[_LIVE] = header[_USED] = len(fps)
+            header[_STATE] = ACTIVE
+            return slots
+        finally:
+            header[_SEQ] += np.uint64(1)
+
+    def _place(self, fps: np.ndarray) -> np.ndarray:
+        """Insert ``fps`` into the emptied table, all at once: each round
+        places, for every free slot some pending key probes, the first such
+        key, and moves the others one slot on."""
+        table, mask = self.table, np.uint64(self.mask)
+        n = len(fps)
+        slots = np.empty(n, np.int64)
+        pos = (fps & mask).astype(np.int64)
+        pending = np.arange(n)
+        placed = np.zeros(n, bool)
+        while pending.size:
+            cand = pos[pending]
+            free = table[cand] == EMPTY
+            uniq, first = np.unique(cand[free], return_index=True)
+            winners = pending[free][first]
+            table[uniq] = fps[winners]
+            slots[winners] = uniq
+            placed[winners] = True
+            pending = pending[~placed[pending]]
+            pos[pending] = (pos[pending] + 1) & self.mask
+        return slots
+
+    def close(self) -> None:
+        """The server is exiting: readers must ask (and find it gone)."""
+        self.header[_STATE] = CLOSED
+
+
+class KeyTableReader:
+    """A client's side, over the read-only segment ``buf``."""
+
+    def __init__(self, buf, slots: int) -> None:
+        words = np.frombuffer(buf, np.uint64, count=HEADER_WORDS + slots)
+        if int(words[_MAGIC]) != MAGIC or int(words[_SLOTS]) != slots or slots & (slots - 1):
+            raise ValueError(f"the key table segment's header does not match {slots} slots")
+        self.header = words[:HEADER_WORDS]
+        self.table = words[HEADER_WORDS:]
+        self.mask = np.int64(slots - 1)
+
+    def lookup(self, fps: np.ndarray) -> np.ndarray | None:
+        """Which of ``fps`` the table holds, or None when it cannot tell now
+        (switched off, being rebuilt, closed, or a probe run too long)."""
+        header = self.header
+        seq = int(header[_SEQ])
+        if seq & 1 or int(header[_STATE]) != ACTIVE:
+            return None
+        table, mask = self.table, self.mask
+        found = np.zeros(len(fps), bool)
+        pos = fps.astype(np.int64) & mask
+        pending = np.arange(len(fps))
+        for _ in range(MAX_PROBES):
+            value = table[pos[pending]]
+            hit = value == fps[pending]
+            found[pending[hit]] = True
+            pending = pending[~hit & (value != EMPTY)]
+            if not pending.size:
+                break
+            pos[pending] = (pos[pending] + 1) & mask
+        else:
+            return None
+        if int(header[_SEQ]) != seq or int(header[_STATE]) != ACTIVE:
+            return None
+        return found

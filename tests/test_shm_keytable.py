@@ -1,0 +1,148 @@
+"""The shm server's key table: lookups a client answers without a request.
+
+The table's two ends are driven directly over a plain buffer (small tables,
+so that probe chains, tombstones, rebuilds and switching off all happen),
+against the server's own index (``ChunkIndex``) as the model; then a real
+server and clients show lookups answered while the server cannot answer,
+and never from a table its dead server left behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+
+from store_backends import OpenMode, StoreUnavailableError, open_store
+from store_backends.shm import keytable
+from store_backends.shm.index import ChunkIndex
+from store_backends.shm.keytable import KeyTableReader, KeyTableWriter, fingerprints
+from store_backends.shm.protocol import Alloc, Status, pack_keys
+from store_backends.process import pid_alive
+from test_shm import shm, value_for, wait_for  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.skipif(not keytable.supported(), reason="the server publishes no key table here")
+
+
+def _table(slots: int) -> tuple[KeyTableWriter, KeyTableReader]:
+    buf = bytearray(keytable.segment_nbytes(slots))
+    return KeyTableWriter(buf, slots), KeyTableReader(buf, slots)
+
+
+def test_fingerprints_are_stable_distinct_and_never_mark_a_free_slot():
+    keys = [b"a", b"a\0", b"\0a", b"ab", b"block-%06d" % 7, bytes(32), bytes(31) + b"\1"]
+    one_by_one = np.concatenate([fingerprints([k]) for k in keys])
+    assert fingerprints(keys).tolist() == one_by_one.tolist()
+    assert len(set(one_by_one.tolist())) == len(keys)
+    rng = random.Random(5)
+    many = [rng.randbytes(32) for _ in range(50_000)] + [b"key-%08d" % i for i in range(50_000)]
+    fps = fingerprints(many)
+    assert len(set(fps.tolist())) == len(many)
+    assert int(fps.min()) >= 2
+    with pytest.raises(ValueError, match="empty"):
+        fingerprints([b"x", b""])
+
+
+def test_probe_chains_tombstones_and_when_a_reader_must_ask():
+    writer, reader = _table(16)
+    chain = np.array([3 + 16 * i for i in range(1, 7)], np.uint64)    # one home slot for all
+    slots = [writer.insert(int(fp)) for fp in chain]
+    assert slots == [3, 4, 5, 6, 7, 8]
+    writer.remove(slots[1])
+    assert reader.lookup(chain).tolist() == [True, False, True, True, True, True]
+    assert writer.insert(int(chain[1])) == 4          # the tombstone is reused
+    absent = np.array([3 + 16 * 9, 5], np.uint64)
+    assert reader.lookup(np.concatenate([chain, absent])).tolist() == [True] * 6 + [False, False]
+    header = writer.header
+    header[1] += np.uint64(1)                          # a rebuild under way
+    assert reader.lookup(chain) is None
+    header[1] += np.uint64(1)
+    assert reader.lookup(chain) is not None
+    writer.close()
+    assert reader.lookup(chain) is None
+
+
+def test_the_table_answers_as_the_index_does_through_every_change():
+    """Random puts (some of empty values, which take no chunk, so that the
+    index outgrows a small table), overwrites, deletes, evictions and
+    clears; after each, every key asked of the table is answered as the
+    index answers, or the table says it cannot tell only while switched
+    off."""
+    index = ChunkIndex(num_chunks=12, chunk_nbytes=64, lease_timeout_s=60)
+    index.gen = np.zeros(12, np.uint64)
+    index.table, reader = _table(64)
+    universe = [b"k%03d" % i for i in range(80)]
+    fps = fingerprints(universe)
+    rng = random.Random(11)
+    seen = {"off": 0, "on_again": 0}
+    was_active = True
+    for step in range(1500):
+        roll = rng.random()
+        growing = (step // 250) % 2 == 0       # phases that fill the table past half, then empty it
+        if roll < (0.85 if growing else 0.2):
+            picked = rng.sample(universe, rng.randint(1, 6))
+            key_len, frames = pack_keys(picked)
+            sizes = np.array([rng.choice([0] * 12 + [40, 130]) for _ in picked], np.int64).tobytes()
+            status, out = index.op_alloc(int(rng.random() < 0.2), key_len, os.getpid(), [*frames, sizes])
+            lease = int.from_bytes(out[0], "little", signed=True)
+            if lease:
+                assert index.op_commit(0, 0, lease, [])[0] == Status.OK
+            assert set(out[1]) <= {Alloc.NEW, Alloc.PRESENT, Alloc.FAILED}
+        elif growing or roll < 0.97:
+            key_len, frames = pack_keys(rng.sample(universe, rng.randint(1, 10)))
+            index.op_delete(0, key_len, 0, frames)
+        else:
+            index.op_clear(0, 0, 0, [])
+        found = reader.lookup(fps)
+        stored = [k in index.index for k in universe]
+        if index.table.active:
+            assert found is not None and found.tolist() == stored
+            seen["on_again"] += not was_active
+        else:
+            assert found is None
+            seen["off"] += was_active
+        was_active = index.table.active
+    rebuilds = int(index.table.header[1]) // 2
+    assert rebuilds > 3 and seen["off"] and seen["on_again"], (rebuilds, seen)
+
+
+def test_lookups_are_answered_while_the_server_cannot_answer(shm):
+    """A stopped (SIGSTOP) server answers no request, so lookups that asked
+    it would fail after ``timeout``; they are answered from the table,
+    including what another client changed just before."""
+    with open_store(shm.url(capacity="1MiB", chunk="4KiB", timeout="1")) as store, \
+            open_store(shm.url(capacity="1MiB", chunk="4KiB", timeout="1")) as other:
+        keys = [b"blk%04d" % i for i in range(40)]
+        assert store.put(keys[:30], [value_for(k, 100) for k in keys[:30]]) == [True] * 30
+        other.delete([keys[5]])
+        pid = store.stats().extra["server_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert store.contains(keys) == [i < 30 and i != 5 for i in range(40)]
+            assert store.prefix_len(keys) == 5
+            assert other.prefix_len(keys[6:]) == 24
+            with pytest.raises(StoreUnavailableError):
+                store.get([keys[0]])          # a get does ask: the server is what it waits on
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert store.stats().extra["key_table_live"] == 29
+
+
+def test_a_dead_servers_table_is_never_read(shm):
+    with open_store(shm.url(capacity="1MiB", timeout="2")) as store:
+        assert store.put([b"k"], [value_for(b"k", 5000)]) == [True]
+        inspect = open_store(shm.url(), OpenMode.INSPECT)
+        try:
+            assert inspect.contains([b"k"]) == [True]
+            pid = store.stats().extra["server_pid"]
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: not pid_alive(pid), 5, "the killed server to be gone")
+            with pytest.raises(StoreUnavailableError):
+                inspect.contains([b"k"])       # asks, and finds no server: not the stale table's True
+        finally:
+            inspect.close()
+        with pytest.raises(StoreUnavailableError):
+            store.contains([b"k"])                 # this client too asks, and learns the server died
+        assert store.contains([b"k"]) == [False]   # a new server, empty
