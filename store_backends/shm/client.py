@@ -419,13 +419,14 @@ class ShmStore(KVStore):
         request; None when the table cannot tell now (none published, being
         rebuilt, or its server gone): then ask."""
         seg = self._conn.mapped()
-        if seg is None or seg.keys is None or not pid_alive(seg.server_pid):
+        table = seg.keys if seg is not None else None
+        if table is None or not pid_alive(seg.server_pid):
             return None
         try:
             fps = fingerprints(keys)
         except (TypeError, ValueError):
             return None     # not bytes, or empty: the request path says what is wrong
-        return seg.keys.lookup(fps)
+        return table.lookup(fps)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
