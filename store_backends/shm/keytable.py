@@ -74,11 +74,11 @@ def segment_nbytes(slots: int) -> int:
 
 
 class _Scratch:
-    """Arrays reused across calls: a fresh temporary of a few hundred KiB
-    per operation costs more than the arithmetic on it (the allocator maps
-    it, the kernel faults it in, and it is handed back).  One caller at a
-    time holds them (``hold``); a caller that finds them held, or a batch
-    too large, works with fresh arrays."""
+    """Arrays reused across calls: a fresh array of a few hundred KiB per
+    call costs more than the arithmetic on it (the allocator maps it, the
+    kernel faults it in, and it is handed back).  One caller at a time
+    holds them (``lock``); a caller that finds them held, or a batch too
+    large, works with fresh arrays."""
 
     LIMIT = 8 << 20
 
@@ -151,19 +151,20 @@ def _fingerprints(keys, n: int, held: bool) -> np.ndarray:
         # Row by row, the cells inside each key are the keys' bytes in order.
         raw[np.arange(width)[None, :] < lens[:, None]] = data
         h = lens.astype(np.uint64)
-    words = _scratch.take("words", (n, width // 8), np.uint64, held)
-    np.multiply(raw.view(np.uint64), _position_constants(width // 8), out=words)
-    _fmix(words, _scratch.take("tmp", words.shape, np.uint64, held))
+    words = raw.view(np.uint64)
+    word, tmp = np.empty(n, np.uint64), np.empty(n, np.uint64)
     h *= _L
-    for j in range(words.shape[1]):      # a few columns: faster than sum(axis=1)
-        h += words[:, j]
-    _fmix(h, np.empty_like(h))
+    for j in range(words.shape[1]):
+        np.multiply(words[:, j], _position_constant(j), out=word)
+        h += _fmix(word, tmp)
+    _fmix(h, tmp)
     h[h < 2] += np.uint64(2)         # 0 and 1 mark empty slots and tombstones
     return h
 
 
-def _position_constants(m: int) -> np.ndarray:
-    return (np.arange(m, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * _K
+def _position_constant(j: int) -> np.uint64:
+    """The odd multiplier of a key's word ``j``."""
+    return np.uint64((2 * j + 1) * int(_K) % (1 << 64))
 
 
 class KeyTableWriter:
