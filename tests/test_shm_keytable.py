@@ -146,3 +146,10 @@ def test_a_dead_servers_table_is_never_read(shm):
         with pytest.raises(StoreUnavailableError):
             store.contains([b"k"])                 # this client too asks, and learns the server died
         assert store.contains([b"k"]) == [False]   # a new server, empty
+
+
+def test_table_size_follows_the_chunks_within_bounds():
+    assert keytable.table_slots(16384) == 65536           # 1 GiB of 64 KiB chunks: 512 KiB of table
+    assert keytable.table_slots(1) == keytable.MIN_SLOTS
+    assert keytable.table_slots(1 << 30) == keytable.MAX_SLOTS   # tiny chunks: the table stays bounded
+    assert all(s & (s - 1) == 0 for s in map(keytable.table_slots, (3, 1000, 5000, 123457)))

@@ -46,6 +46,7 @@ ACTIVE, DISABLED, CLOSED = 1, 2, 3
 EMPTY = np.uint64(0)
 TOMBSTONE = np.uint64(1)
 MIN_SLOTS = 4096
+MAX_SLOTS = 1 << 23                 # 4M keys before the table switches itself off
 MAX_PROBES = 64                     # a reader that probes this far asks the server
 REBUILD_USED = 0.75                 # used/slots past which the writer rebuilds
 MAX_LIVE = 0.5                      # live/slots past which the table is switched off
@@ -63,10 +64,10 @@ def supported() -> bool:
 
 
 def table_slots(num_chunks: int) -> int:
-    """Slots for a server of ``num_chunks`` chunks: a power of two, at least
-    four per chunk, so that the table is at most a quarter full while every
-    value takes a chunk."""
-    return max(MIN_SLOTS, 1 << (4 * max(1, num_chunks) - 1).bit_length())
+    """Slots for a server of ``num_chunks`` chunks: a power of two, four per
+    chunk, so that the table is at most a quarter full while every value
+    takes a chunk; at most ``MAX_SLOTS`` (64 MiB), for tiny chunks."""
+    return min(MAX_SLOTS, max(MIN_SLOTS, 1 << (4 * max(1, num_chunks) - 1).bit_length()))
 
 
 def segment_nbytes(slots: int) -> int:
