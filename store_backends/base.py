@@ -129,19 +129,27 @@ class KVStore(abc.ABC):
     #: parts; the generic version reads into a temporary buffer first.
     reads_into_parts: bool = False
 
-    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]],
+                       on_value: Callable[[int], object] | None = None) -> list[bool]:
         """``get_into`` where key i's value lands in the buffers ``parts[i]``,
         filled in order: their total size must equal the value's (else
-        ``False``, as for ``get_into``).  This version reads each value into
-        a temporary buffer and copies it into its parts."""
+        ``False``, as for ``get_into``).
+
+        ``on_value(i)``, when given, is called for each value that will be
+        answered ``True``, once it is whole in its parts, before the next
+        value is copied, so the caller can check it while it is still in the
+        CPU's caches.  This version reads each value into a temporary
+        buffer, then copies it into its parts."""
         if len(parts) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
         views = [[byte_view(p, writable=True) for p in value_parts] for value_parts in parts]
         temps = [bytearray(sum(v.nbytes for v in value_views)) for value_views in views]
         found = self.get_into(keys, temps)
-        for ok, temp, value_views in zip(found, temps, views):
+        for i, (ok, temp, value_views) in enumerate(zip(found, temps, views)):
             if ok:
                 copy_into_parts(value_views, [memoryview(temp)])
+                if on_value is not None:
+                    on_value(i)
         return found
 
     @abc.abstractmethod

@@ -131,6 +131,25 @@ def test_get_into_parts_fills_the_parts_in_order(store, cuts):
         store.get_into_parts([b"p1"], [])
 
 
+def test_get_into_parts_calls_back_each_whole_value_before_the_next(store):
+    """``on_value(i)``: once per value answered True, in order, when the
+    value is already whole in its parts (so the caller can check it while
+    it is in the CPU's caches); never for a miss or a value of another size."""
+    nbytes = (1 << 20) + 4096
+    values = [block(21, nbytes), block(22, nbytes)]
+    store.put([b"c1", b"c2"], values)
+    parts = [[memoryview(bytearray(4096)), memoryview(bytearray(nbytes - 4096))] for _ in range(4)]
+    parts[2] = parts[2][:1]                      # too short for c1
+    seen: list[tuple[int, bytes]] = []
+
+    def on_value(i: int) -> None:
+        seen.append((i, b"".join(bytes(p) for p in parts[i])))
+
+    found = store.get_into_parts([b"c1", b"absent", b"c1", b"c2"], parts, on_value)
+    assert found == [True, False, False, True]
+    assert seen == [(0, values[0]), (3, values[1])]
+
+
 def test_put_is_idempotent(store):
     assert store.put([b"k"], [block(7)]) == [True]
     assert store.put([b"k"], [block(7)]) == [True]

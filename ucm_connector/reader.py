@@ -137,17 +137,33 @@ class BlockReader(BlockIO):
         that failed and the keys of those found but bad."""
         headers = np.empty((len(keys), blockfmt.HEADER_NBYTES), dtype=np.uint8)
         parts = [[memoryview(headers[i])] + self.transfer.page_parts(b) for i, b in enumerate(block_ids)]
+        checked: dict[int, blockfmt.BlockFormatError | None] = {}
+
+        def check(i: int) -> None:
+            try:
+                blockfmt.verify_parts(headers[i], parts[i][1:], self.namespace_digest, self.payload_nbytes,
+                                      key=keys[i])
+                checked[i] = None
+            except blockfmt.BlockFormatError as exc:
+                checked[i] = exc
+
         try:
-            # One call for the whole batch: reading it in groups small
-            # enough to check while in the CPU's caches measured slower
-            # (a round trip per group; benchmarks/RESULTS.md).
-            found = self.store.get_into_parts(keys, parts)
+            # One call for the whole batch (a round trip per group of blocks
+            # measured slower), each block checked as soon as it is in its
+            # pages, while still in the CPU's caches: after the whole batch
+            # the check reads it back from memory (benchmarks/RESULTS.md).
+            found = self.store.get_into_parts(keys, parts, check)
         except StoreError as exc:
             self.report.failed("store load", exc)
             found = [False] * len(keys)
-        good, bad_keys = self._check(
-            keys, found, lambda i: blockfmt.verify_parts(headers[i], parts[i][1:], self.namespace_digest,
-                                                         self.payload_nbytes, key=keys[i]))
+
+        def verdict(i: int) -> None:
+            if i not in checked:     # a store that did not call back
+                check(i)
+            if checked[i] is not None:
+                raise checked[i]
+
+        good, bad_keys = self._check(keys, found, verdict)
         return set(block_ids) - {block_ids[i] for i in good}, bad_keys
 
     def _drop(self, bad_keys: list[bytes], *, num_good: int, num_keys: int) -> None:

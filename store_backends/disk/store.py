@@ -406,12 +406,20 @@ class DiskStore(KVStore):
 
     reads_into_parts = True
 
-    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]],
+                       on_value: Callable[[int], object] | None = None) -> list[bool]:
         check_batch(keys, parts, "lists of parts")
         if any(len(value_parts) > MAX_PARTS for value_parts in parts):
-            return super().get_into_parts(keys, parts)
+            return super().get_into_parts(keys, parts, on_value)
         views = [[byte_view(p, writable=True) for p in value_parts] for value_parts in parts]
-        reads = self._read_each(keys, lambda i, key: self._files.read_into(key, views[i]))
+
+        def read_one(i: int, key: bytes) -> BlockRead:
+            read = self._files.read_into(key, views[i])
+            if on_value is not None and read.status is ReadStatus.HIT:
+                on_value(i)
+            return read
+
+        reads = self._read_each(keys, read_one)
         return [read.status is ReadStatus.HIT for read in reads]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:

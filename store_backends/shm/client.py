@@ -54,7 +54,7 @@ import json
 import os
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -306,20 +306,25 @@ class ShmStore(KVStore):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         return self._read_into(keys, [[byte_view(b, writable=True)] for b in buffers])
 
-    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]]) -> list[bool]:
+    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]],
+                       on_value: Callable[[int], object] | None = None) -> list[bool]:
         if len(parts) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
-        return self._read_into(keys, [[byte_view(p, writable=True) for p in value_parts] for value_parts in parts])
+        return self._read_into(keys, [[byte_view(p, writable=True) for p in value_parts] for value_parts in parts],
+                               on_value)
 
-    def _read_into(self, keys: Sequence[bytes], dsts: list[list[memoryview]]) -> list[bool]:
-        """Copy each key's value out of its chunks into its buffers."""
+    def _read_into(self, keys: Sequence[bytes], dsts: list[list[memoryview]],
+                   on_value: Callable[[int], object] | None = None) -> list[bool]:
+        """Copy each key's value out of its chunks into its buffers; with
+        ``on_value``, check each value's generation right after its copy and
+        call ``on_value(i)`` for the whole ones before copying the next."""
         if not keys:
             return []
         seg, sizes, gens, firsts, nruns, runs = self._lookup(keys)
         data = seg.data
         chunk = seg.chunk
         copied = [False] * len(keys)
-        late = 0
+        late = torn = 0
         pos = 0
         for i, size in enumerate(sizes):
             if size < 0:
@@ -335,10 +340,19 @@ class ShmStore(KVStore):
                 _copy(dst[0], data[off:off + size])
             else:
                 copy_into_parts(dst, _value_slices(data, chunk, runs, pos, end, size), _copy)
-            copied[i] = True
             pos = end
-        result = [c and u for c, u in zip(copied, self._unchanged(seg, gens, firsts))]
-        torn = copied.count(True) - result.count(True)
+            if on_value is None:
+                copied[i] = True
+            elif firsts[i] < 0 or seg.gen[firsts[i]] == gens[i]:
+                copied[i] = True        # whole when checked: later reuse of its chunks cannot change the copy
+                on_value(i)
+            else:
+                torn += 1
+        if on_value is None:
+            result = [c and u for c, u in zip(copied, self._unchanged(seg, gens, firsts))]
+            torn = copied.count(True) - result.count(True)
+        else:
+            result = copied
         self._count_misses(late + torn, torn)
         return result
 
