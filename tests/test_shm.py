@@ -295,6 +295,29 @@ def test_lease_of_a_killed_writer_is_reclaimed(shm):
         assert store.stats().extra["leases_reclaimed"] == 1
 
 
+def test_a_value_reused_while_a_batch_is_read_into_parts_is_a_miss_and_never_called_back(shm):
+    """Each value's generation is checked right after its copy: a value
+    whose chunks are freed and reused between the batch's lookup and its
+    copy (here by another client, while the caller checks the value
+    before it) is a miss, and ``on_value`` never sees it."""
+    url = shm.url(capacity="8KiB", chunk="4KiB")
+    with open_store(url) as store, open_store(url) as other:
+        store.put([b"a", b"b"], [value_for(b"a", 4096), value_for(b"b", 4096)])
+        parts = [[memoryview(bytearray(64)), memoryview(bytearray(4096 - 64))] for _ in range(2)]
+        called = []
+
+        def on_value(i: int) -> None:
+            called.append(i)
+            if i == 0:
+                other.delete([b"b"])
+                assert other.put([b"c"], [value_for(b"c", 4096)]) == [True]
+
+        assert store.get_into_parts([b"a", b"b"], parts, on_value) == [True, False]
+        assert called == [0]
+        assert b"".join(bytes(p) for p in parts[0]) == value_for(b"a", 4096)
+        assert store.stats().extra["torn_reads"] == 1
+
+
 def test_reader_never_gets_a_wrong_value_while_values_are_overwritten_and_evicted(shm):
     import numpy as np
 

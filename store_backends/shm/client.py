@@ -98,6 +98,21 @@ def _copy(dst: memoryview, src: memoryview) -> None:
         dst[:] = src
 
 
+def _copy_run_into_parts(dsts: list[memoryview], data: memoryview, off: int) -> None:
+    """Copy the value that starts at ``off`` in the segment, one run of
+    chunks, into ``dsts`` in order (a block into its header and pages): one
+    view of the source, and per part only what the part needs."""
+    src = np.frombuffer(data, np.uint8, count=sum(d.nbytes for d in dsts), offset=off)
+    pos = 0
+    for dst in dsts:
+        n = dst.nbytes
+        if n >= 65536:
+            np.copyto(np.frombuffer(dst, np.uint8), src[pos:pos + n])
+        else:
+            dst[:] = data[off + pos:off + pos + n]
+        pos += n
+
+
 def _value_slices(data: memoryview, chunk: int, runs, pos: int, end: int, nbytes: int) -> list[memoryview]:
     """Views of the segment holding the first ``nbytes`` bytes of a value
     whose runs are ``runs[pos:end]`` (pairs of first chunk and chunk count),
@@ -338,6 +353,8 @@ class ShmStore(KVStore):
             if nruns[i] == 1 and len(dst) == 1:
                 off = runs[pos] * chunk
                 _copy(dst[0], data[off:off + size])
+            elif nruns[i] == 1:
+                _copy_run_into_parts(dst, data, runs[pos] * chunk)
             else:
                 copy_into_parts(dst, _value_slices(data, chunk, runs, pos, end, size), _copy)
             pos = end
