@@ -60,9 +60,9 @@ import numpy as np
 
 from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError,
                     byte_view, copy_into_parts)
+from ..process import pid_alive
 from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
 from . import admin
-from ..process import pid_alive
 from .connection import NoAnswer, ServerConnection
 from .keytable import fingerprints
 from .launch import ServerSettings

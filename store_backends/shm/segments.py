@@ -1,9 +1,9 @@
 """Mapping the segments of an shm server epoch into a client.
 
 Owns the one way a client maps shared memory: only the data, generation
-and key-table segments that ``paths`` defines for this NAME and the epoch the server's
-HELLO announced, never through a symlink, only regular files of this user
-at least as large as announced; and ``Segments``, the immutable snapshot of
+and key-table segments that ``paths`` defines for this NAME and the epoch
+the server's HELLO announced, never through a symlink, only regular files
+of this user at least as large as announced; and ``Segments``, the immutable snapshot of
 one epoch's mappings that an operation keeps using while another thread
 remaps.  Must not talk to the server (the HELLO is handed in), start one,
 or read or write values: the store's operations (``client``) copy them.
