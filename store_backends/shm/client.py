@@ -261,13 +261,13 @@ class ShmStore(KVStore):
                 end = pos + 2 * nruns[i]
                 if nruns[i] == 1:
                     off = runs[pos] * chunk
-                    data[off:off + size] = src
+                    _copy(data[off:off + size], src)
                 else:
                     done = 0
                     for j in range(pos, end, 2):
                         n = min(runs[j + 1] * chunk, size - done)
                         off = runs[j] * chunk
-                        data[off:off + n] = src[done:done + n]
+                        _copy(data[off:off + n], src[done:done + n])
                         done += n
                 pos = end
         except BaseException:
