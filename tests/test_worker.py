@@ -136,6 +136,31 @@ def test_a_bad_block_is_reported_dropped_and_the_others_loaded(store, mode, devi
     loader.close()
 
 
+def test_a_save_goes_to_the_writer_in_parts_and_every_block_arrives(store, device, monkeypatch):
+    """A save larger than SAVE_PART_NBYTES is gathered and written a part at
+    a time (the writer puts one while the next is gathered); every block
+    still arrives whole, in its own key."""
+    from ucm_connector import saves as saves_mod
+
+    parts: list[int] = []
+    write = saves_mod.Saves._write
+    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (parts.append(len(job[0])), write(self, job)))
+    src = _caches(6, device)
+    saver = _worker(store, src)
+    monkeypatch.setattr(saves_mod, "SAVE_PART_NBYTES", 2 * saver.payload_nbytes)
+    keys = _keys(7)
+    saver.save([BlockPlan("r", list(range(7)), keys)])
+    assert saver.flush(10)
+    saver.close()
+    assert parts == [2, 2, 2, 1]
+    dst = _caches(7, device)
+    loader = _worker(store, dst)
+    loader.load([BlockPlan("q", list(range(10, 17)), keys)])
+    assert loader.take_load_errors() == set()
+    assert _pages(dst, range(10, 17)) == _pages(src, range(7))
+    loader.close()
+
+
 def test_save_outcomes_say_written_present_and_not_stored(store, device):
     src = _caches(5, device)
     w = _worker(store, src, events=True)

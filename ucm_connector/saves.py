@@ -3,10 +3,11 @@
 ``Saves`` gathers a step's new blocks out of the cache when its forward
 pass is done (``wait_for_save``; on CUDA the gather is issued and the engine
 goes on, its later kernels ordered after the page reads) into rows of a
-pool bounded by ``max_pending_save_mib``, and hands them to one background
-writer, which puts the rows themselves, so the engine never waits on the
-store's I/O.  Blocks the store has are skipped; a full backlog skips saves
-rather than wait; KV computed on a page whose load failed is never saved.
+pool bounded by ``max_pending_save_mib``, and hands them, a part of about
+``SAVE_PART_NBYTES`` at a time, to one background writer, which puts the
+rows themselves, so the engine never waits on the store's I/O.  Blocks the
+store has are skipped; a full backlog skips saves rather than wait; KV
+computed on a page whose load failed is never saved.
 
 This module only writes to the store; loading is ``loads.py``'s.  It must
 not import vLLM.
@@ -27,6 +28,10 @@ from .outcomes import NOT_STORED, PRESENT, WRITTEN
 from .plans import BlockPlan
 from .rows import HostRows
 from .transfer import Transfer
+
+
+#: Bytes of payload handed to the writer at a time.
+SAVE_PART_NBYTES = 24 << 20
 
 
 class Saves(BlockIO):
@@ -96,7 +101,9 @@ class Saves(BlockIO):
         todo = [i for i, p in enumerate(present) if not p]
         self.events.add(PRESENT, [key for key, p in zip(keys, present) if p])
         skipped = len(keys) - len(todo)
-        step = self.pool.capacity
+        # Parts of about SAVE_PART_NBYTES: the writer puts one while the
+        # next is gathered (benchmarks/RESULTS.md).
+        step = min(self.pool.capacity, max(1, SAVE_PART_NBYTES // self.payload_nbytes))
         for lo in range(0, len(todo), step):
             part = todo[lo:lo + step]
             # A full backlog skips saves rather than make the engine wait.
