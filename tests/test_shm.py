@@ -295,6 +295,23 @@ def test_lease_of_a_killed_writer_is_reclaimed(shm):
         assert store.stats().extra["leases_reclaimed"] == 1
 
 
+def test_a_value_spread_over_several_runs_of_chunks_is_put_and_read_whole(shm):
+    """With every other chunk free, a value of six chunks lands in six runs:
+    put, get, get_into and get_into_parts all see its bytes in order."""
+    with open_store(shm.url(capacity="64KiB", chunk="4KiB")) as store:
+        keys = [b"k%d" % i for i in range(16)]
+        assert store.put(keys, [bytes([i]) * 4096 for i in range(16)]) == [True] * 16
+        store.delete(keys[0::2])
+        value = bytes(range(256)) * 96
+        assert store.put([b"big"], [value]) == [True]
+        assert store.get([b"big"]) == [value]
+        whole = bytearray(len(value))
+        assert store.get_into([b"big"], [whole]) == [True] and bytes(whole) == value
+        parts = [memoryview(bytearray(1000)), memoryview(bytearray(len(value) - 1000))]
+        assert store.get_into_parts([b"big"], [parts]) == [True]
+        assert b"".join(bytes(p) for p in parts) == value
+
+
 def test_a_value_reused_while_a_batch_is_read_into_parts_is_a_miss_and_never_called_back(shm):
     """Each value's generation is checked right after its copy: a value
     whose chunks are freed and reused between the batch's lookup and its

@@ -88,11 +88,15 @@ _ALLOC_PRESENT = int(Alloc.PRESENT)
 _ALLOC_FAILED = int(Alloc.FAILED)
 
 
+#: Copies at least this large go through numpy, which drops the GIL.
+_NUMPY_COPY_MIN = 65536
+
+
 def _copy(dst: memoryview, src: memoryview) -> None:
     """``dst[:] = src``, letting other threads run meanwhile: numpy drops the
     GIL for a large copy, a memoryview assignment does not (a caller may read
     the next blocks on one thread while it copies the last ones on another)."""
-    if src.nbytes >= 65536:
+    if src.nbytes >= _NUMPY_COPY_MIN:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
     else:
         dst[:] = src
@@ -106,7 +110,7 @@ def _copy_run_into_parts(dsts: list[memoryview], data: memoryview, off: int) -> 
     pos = 0
     for dst in dsts:
         n = dst.nbytes
-        if n >= 65536:
+        if n >= _NUMPY_COPY_MIN:
             np.copyto(np.frombuffer(dst, np.uint8), src[pos:pos + n])
         else:
             dst[:] = data[off + pos:off + pos + n]
@@ -263,12 +267,7 @@ class ShmStore(KVStore):
                     off = runs[pos] * chunk
                     _copy(data[off:off + size], src)
                 else:
-                    done = 0
-                    for j in range(pos, end, 2):
-                        n = min(runs[j + 1] * chunk, size - done)
-                        off = runs[j] * chunk
-                        _copy(data[off:off + n], src[done:done + n])
-                        done += n
+                    copy_into_parts(_value_slices(data, chunk, runs, pos, end, size), [src], _copy)
                 pos = end
         except BaseException:
             try:
