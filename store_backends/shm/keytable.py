@@ -75,26 +75,26 @@ def segment_nbytes(slots: int) -> int:
 
 
 class _Scratch:
-    """Arrays reused across calls: a fresh array of a few hundred KiB per
-    call costs more than the arithmetic on it (the allocator maps it, the
-    kernel faults it in, and it is handed back).  One caller at a time
-    holds them (``lock``); a caller that finds them held, or a batch too
-    large, works with fresh arrays."""
+    """A byte array reused across calls for the zero-padded keys: a fresh
+    array of a few hundred KiB per call costs more than the arithmetic on it
+    (the allocator maps it, the kernel faults it in, and it is handed back).
+    One caller at a time holds it (``lock``); a caller that finds it held,
+    or a batch too large, works with a fresh array."""
 
     LIMIT = 8 << 20
 
     def __init__(self) -> None:
-        self.buffers: dict[str, np.ndarray] = {}
+        self.buffer = np.empty(0, np.uint8)
         self.lock = threading.Lock()
 
-    def take(self, name: str, shape: tuple[int, ...], dtype, held: bool) -> np.ndarray:
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    def padded(self, n: int, width: int, held: bool) -> np.ndarray:
+        """An (n, width) uint8 array of unspecified contents."""
+        nbytes = n * width
         if not held or nbytes > self.LIMIT:
-            return np.empty(shape, dtype)
-        buf = self.buffers.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self.buffers[name] = np.empty(max(nbytes, 64 << 10), np.uint8)
-        return buf[:nbytes].view(dtype).reshape(shape)
+            return np.empty((n, width), np.uint8)
+        if self.buffer.nbytes < nbytes:
+            self.buffer = np.empty(max(nbytes, 64 << 10), np.uint8)
+        return self.buffer[:nbytes].reshape(n, width)
 
 
 _scratch = _Scratch()
@@ -138,7 +138,7 @@ def _fingerprints(keys, n: int, held: bool) -> np.ndarray:
         if width == first:
             raw = data.reshape(n, first)
         else:
-            raw = _scratch.take("raw", (n, width), np.uint8, held)
+            raw = _scratch.padded(n, width, held)
             raw[:, :first] = data.reshape(n, first)
             raw[:, first:] = 0
         h = np.full(n, first, np.uint64)
@@ -147,7 +147,7 @@ def _fingerprints(keys, n: int, held: bool) -> np.ndarray:
         if not lens.min():
             raise ValueError("store keys must not be empty")
         width = -(-int(lens.max()) // 8) * 8
-        raw = _scratch.take("raw", (n, width), np.uint8, held)
+        raw = _scratch.padded(n, width, held)
         raw.fill(0)
         # Row by row, the cells inside each key are the keys' bytes in order.
         raw[np.arange(width)[None, :] < lens[:, None]] = data
