@@ -301,6 +301,71 @@ def test_saves_and_loads_on_two_threads_do_not_mix(device):
     assert all(bool((view[64:96].view(torch.uint8) == 0x42).all()) for view in src.values())
 
 
+# -- save_layerwise: a gather made a layer at a time ---------------------------
+
+
+def _layered_cases():
+    for layout in LAYOUTS:
+        yield pytest.param(lambda device, layout=layout: _vllm(layout, device, layers=4)[1], id=layout)
+    for build in (kv_first_caches, block_major_caches):
+        yield pytest.param(lambda device, build=build: _filled(build(
+            num_layers=4, num_blocks=10, num_heads=2, block_size=4, head_size=8, dtype=torch.float16,
+            device=device)), id=build.__name__)
+    yield pytest.param(lambda device: _filled(mla_caches(num_layers=4, num_blocks=10, block_size=16, latent=576,
+                                                         dtype=torch.bfloat16, device=device)), id="mla")
+
+
+def _filled(caches):
+    fill_random_(caches, seed=11)
+    return caches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_by_page", [True, False], ids=["page-by-page", "fancy-index"])
+@pytest.mark.parametrize("build", list(_layered_cases()))
+def test_a_layer_gather_copies_what_a_whole_gather_does(build, page_by_page, device):
+    """Layers told of in any order, one twice, one never (finish copies it):
+    every row's payload equals a whole gather's (page by page: code of its
+    own, checked against the logical views above), and the bytes around the
+    payloads (the header, and rows not taken) are untouched."""
+    src = build(device)
+    want = _gather(BlockTransfer(src, num_blocks=10, page_by_page=True), [7, 0, 3, 9, 3])
+    transfer = BlockTransfer(src, num_blocks=10, page_by_page=page_by_page)
+    row_nbytes = HEADER + transfer.payload_nbytes
+    pool = transfer.row_pool(row_nbytes, HEADER, max_nbytes=8 * row_nbytes)
+    pool._array[:] = 0xA5
+    rows = pool.take(5)
+    blocks = [7, 0, 3, 9, 3]
+    gather = transfer.layer_gather(blocks, rows)
+    for layer in (2, 0, 2):
+        gather.layer(layer)
+    assert gather.layers_left == 2
+    copy = gather.finish()
+    copy.wait()
+    assert gather.finish() is copy
+    gather.layer(1)                                  # after finish: ignored
+    assert np.array_equal(rows.payload, want)
+    assert (rows.rows[:, :HEADER] == 0xA5).all()
+    assert (pool._array[5:] == 0xA5).all()
+    rows.release(after=copy)
+
+
+def test_a_layer_gather_sees_what_each_layer_held_when_it_was_told():
+    """CPU: a layer is copied when told of; pages written after that are
+    not in the rows (the forward pass has moved on to later layers)."""
+    _, src = _vllm("LBNHC", "cpu", layers=3)
+    transfer = BlockTransfer(src, num_blocks=10)
+    row_nbytes = HEADER + transfer.payload_nbytes
+    pool = transfer.row_pool(row_nbytes, HEADER, max_nbytes=4 * row_nbytes)
+    rows = pool.take(1)
+    want = b"".join(_logical_page(v, 4, PAGE_ORDER["LBNHC"]) for v in src.values())
+    gather = transfer.layer_gather([4], rows)
+    gather.layer(0)
+    next(iter(src.values()))[4].view(torch.uint8).fill_(0x11)
+    gather.finish().wait()
+    assert rows.payload[0].tobytes() == want
+
+
 # -- CUDA ordering -------------------------------------------------------------
 
 
@@ -315,6 +380,35 @@ def test_a_gather_sees_compute_stream_writes_queued_just_before():
         view[17].view(torch.uint8).fill_(0x5A)         # ... then writes the page
     transfer.gather_rows([17], rows).wait()
     assert (rows.rows[0, HEADER:] == 0x5A).all()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_a_layer_gather_sees_the_layer_written_just_before_and_later_kernels_wait_for_it():
+    """A layer told of right after the compute stream (busy) writes its
+    pages: the rows hold those bytes.  A kernel queued after ``finish``
+    that overwrites the pages runs after they were read."""
+    _, src = _vllm("LBNHC", "cuda", blocks=64, tokens=16, heads=8, head_size=128)
+    transfer = BlockTransfer(src, num_blocks=64)
+    assert transfer.can_gather_by_layer
+    pool = transfer.row_pool(HEADER + transfer.payload_nbytes, HEADER, max_nbytes=64 << 20)
+    rows = pool.take(4)
+    gather = transfer.layer_gather([17, 3, 40, 5], rows)
+    for layer, view in enumerate(src.values()):
+        torch.cuda._sleep(5_000_000)                   # the compute stream is busy ...
+        view[17].view(torch.uint8).fill_(0x5A + layer)  # ... then writes the layer's page
+        gather.layer(layer)
+    copy = gather.finish()
+    for view in src.values():
+        view[17].view(torch.uint8).fill_(0)             # queued after finish: after the reads
+    copy.wait()
+    offset = 0
+    for layer, segment in enumerate(transfer.layer_segment(i) for i in range(transfer.num_layers)):
+        assert (rows.payload[0, segment.offset:segment.offset + segment.nbytes] == 0x5A + layer).all()
+        offset += segment.nbytes
+    assert offset == transfer.payload_nbytes
+    torch.cuda.synchronize()
+    assert all(not bool(view[17].view(torch.uint8).any()) for view in src.values())
+    rows.release()
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")

@@ -19,21 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from . import cudart
+
 if TYPE_CHECKING:
     from .transfer import Transfer
-
-
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed call made outside
-    torch, which would otherwise surface at torch's next launch check."""
-    import ctypes
-
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
-            continue
 
 
 def _unregister(address: int, keep_alive: object) -> None:
@@ -63,7 +52,7 @@ def _pinned_memory(owner: object, nbytes: int) -> tuple[np.ndarray, torch.Tensor
         rc = -1
     if rc == 0:
         return array, torch.from_numpy(array), weakref.finalize(owner, _unregister, address, mapping)
-    _clear_cuda_error()
+    cudart.clear_last_error()
     del array
     try:
         mapping.close()

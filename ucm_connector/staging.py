@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from .pages import WORDS, Segment
@@ -83,6 +84,15 @@ class StagingRing:
         pages_done = torch.cuda.Event()
         pages_done.record(self.kernel_stream)
         return host_done, pages_done
+
+
+def ids_on_device(device: torch.device, values, stream: torch.cuda.Stream) -> torch.Tensor:
+    """Block ids as an int64 tensor on ``device``, copied on ``stream``:
+    pinned first, because a pageable host-to-device copy would wait for
+    the compute stream, blocking the host."""
+    host = torch.as_tensor(np.asarray(values, dtype=np.int64)).pin_memory()
+    with torch.cuda.stream(stream):
+        return host.to(device, non_blocking=True)
 
 
 def payload_views(rows_words: torch.Tensor, word: int, payload_offset: int, segments: list[Segment]

@@ -10,7 +10,9 @@ issues.  It is made of parts that live beside it:
 * ``rows.py``: host rows (``RowPool``, ``HostRows``), allocated once and
   pinned on CUDA;
 * ``staging.py``: the ring of device staging slots a CUDA copy moves
-  through in chunks.
+  through in chunks;
+* ``layer_gather.py``: a gather made a layer at a time while the forward
+  pass runs (``save_layerwise``; ``layer_gather`` makes one).
 
 On CPU a copy is one fancy-indexed assignment per layer, over numpy views
 of the caches.  On CUDA, an index kernel gathers a chunk's pages into a
@@ -29,14 +31,17 @@ nothing of stores, requests or the scheduler.  ``LayerView``,
 from __future__ import annotations
 
 import threading
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from .pages import LayerView, describe_layer, segment_layers
+from .pages import LayerView, Segment, describe_layer, segment_layers
 from .rows import HostRows, RowPool
-from .staging import StagingRing, payload_views, round_up
+from .staging import StagingRing, ids_on_device, payload_views, round_up
+
+if TYPE_CHECKING:
+    from .layer_gather import LayerGather, LayerStaging
 
 __all__ = ["BlockTransfer", "HostRows", "LayerView", "RowPool", "Transfer", "describe_layer"]
 
@@ -123,6 +128,8 @@ class BlockTransfer:
             self._views: dict[tuple[int, int], torch.Tensor] = {}
             self._own_pool: RowPool | None = None
             self._own_pool_lock = threading.Lock()
+            self._layer_staging: LayerStaging | None = None
+            self._layer_views: dict[tuple[int, int], torch.Tensor] = {}
         else:
             # uint8 numpy views of each layer's pages: [num_blocks, *dims].
             # Layer by layer even where one view could cover all layers: a
@@ -236,13 +243,66 @@ class BlockTransfer:
         if self._page_by_page:
             return self._gather_pages(block_ids, out, hasher)
         ids = np.asarray(block_ids, dtype=np.int64)
-        n = len(ids)
-        for segment, view in zip(self._layer_segments, self._np_views):
-            lo = segment.offset
-            out[:, lo:lo + segment.nbytes] = view[ids].reshape(n, segment.nbytes)
+        for layer in range(len(self.layers)):
+            self.gather_layer(layer, ids, out)
         if hasher is None:
             return None
-        return [_digest(hasher, out[i, :self.payload_nbytes]) for i in range(n)]
+        return [_digest(hasher, out[i, :self.payload_nbytes]) for i in range(len(ids))]
+
+    def gather_layer(self, layer: int, block_ids: Sequence[int], out: np.ndarray) -> None:
+        """CPU: copy one layer's pages of ``block_ids`` into that layer's
+        columns of ``out[i, :payload_nbytes]``; the other columns are left
+        as they are."""
+        segment, view = self._layer_segments[layer], self._np_views[layer]
+        lo, nbytes = segment.offset, segment.nbytes
+        if self._page_by_page:
+            for row, block in zip(out, block_ids):
+                np.copyto(row[lo:lo + nbytes].reshape(view.shape[1:]), view[block])
+            return
+        ids = np.asarray(block_ids, dtype=np.int64)
+        out[:len(ids), lo:lo + nbytes] = view[ids].reshape(len(ids), nbytes)
+
+    def layer_gather(self, block_ids: Sequence[int], rows: HostRows) -> "LayerGather":
+        """A gather of ``block_ids`` into ``rows`` (row i for block i), made
+        one layer at a time as each layer's pages are written
+        (``LayerGather``)."""
+        from .layer_gather import LayerGather
+
+        if len(block_ids) > rows.count:
+            raise ValueError(f"{len(block_ids)} blocks do not fit in {rows.count} rows")
+        return LayerGather(self, block_ids, rows)
+
+    @property
+    def can_gather_by_layer(self) -> bool:
+        """Whether ``layer_gather`` works here (on CUDA it needs the CUDA
+        runtime library for its pitched copies)."""
+        if not self._cuda:
+            return True
+        from . import cudart
+
+        return cudart.available()
+
+    def layer_segment(self, layer: int) -> Segment:
+        """Where one layer's pages lie, and its columns in a payload."""
+        return self._layer_segments[layer]
+
+    def layer_source(self, layer: int, word: int) -> torch.Tensor:
+        """One layer's pages as ``[num_blocks, *page dims]`` of ``word``-byte
+        elements (CUDA; built once)."""
+        view = self._layer_views.get((layer, word))
+        if view is None:
+            view = self._layer_views[(layer, word)] = self._layer_segments[layer].view(self.num_blocks, word)
+        return view
+
+    def layer_staging(self) -> "LayerStaging":
+        """The side stream and device slot of this transfer's layer gathers
+        (CUDA; made on first use)."""
+        from .layer_gather import LayerStaging
+
+        with self._own_pool_lock:
+            if self._layer_staging is None:
+                self._layer_staging = LayerStaging(self.device)
+            return self._layer_staging
 
     def scatter(self, block_ids: Sequence[int], src: np.ndarray, layers: range | None = None,
                 row_ids: Sequence[int] | None = None) -> None:
@@ -325,13 +385,6 @@ class BlockTransfer:
             views = self._views[word] = [s.view(self.num_blocks, word) for s in self._segments]
         return views
 
-    def _ids_on_device(self, values: Sequence[int], stream: torch.cuda.Stream) -> torch.Tensor:
-        # Pinned, then copied on our own stream: a pageable host-to-device
-        # copy would wait for the compute stream, blocking the host.
-        host = torch.as_tensor(np.asarray(values, dtype=np.int64)).pin_memory()
-        with torch.cuda.stream(stream):
-            return host.to(self.device, non_blocking=True)
-
     def _gather_cuda(self, block_ids: Sequence[int], rows: HostRows) -> Transfer:
         pool = rows.pool
         n = len(block_ids)
@@ -344,7 +397,7 @@ class BlockTransfer:
             word = self._word(pool)
             sources = self._segment_views(word)
             per_slot = ring.rows_per_slot(pool.row_nbytes)
-            ids = self._ids_on_device(block_ids, ring.kernel_stream)
+            ids = ids_on_device(self.device, block_ids, ring.kernel_stream)
             # The pages were just written by kernels on the compute stream.
             ring.kernel_stream.wait_stream(compute)
             for chunk, lo in enumerate(range(0, n, per_slot)):
@@ -394,7 +447,7 @@ class BlockTransfer:
                 if len(pick):
                     whole = len(pick) == hi - lo and np.array_equal(order[pick], np.arange(lo, hi))
                     chunks.append((lo, hi, targets[pick], None if whole else order[pick] - lo))
-            ids = self._ids_on_device(np.concatenate([c[2] for c in chunks] + [c[3] for c in chunks
+            ids = ids_on_device(self.device, np.concatenate([c[2] for c in chunks] + [c[3] for c in chunks
                                                                                  if c[3] is not None]),
                                       ring.kernel_stream)
             # Pages of freed blocks may still be read by queued kernels.
