@@ -3,7 +3,7 @@ a batch of blocks through ``UCMWorker`` (row pools, the background writer,
 block checks) against raw pinned copies of the same bytes, measured in one
 run.
 
-    python benchmarks/gpu_worker_bench.py [--blocks 128] [--reps 5]
+    python benchmarks/gpu_worker_bench.py [--blocks 128] [--reps 5] [--layer-ms 1.0]
 
 Caches are vLLM 0.33's default layout (``LBNHC`` views into one buffer) with
 Llama-3-8B attention shapes (32 layers, 8 KV heads, head size 128, 16-token
@@ -12,7 +12,10 @@ put and per get, like a local store at memory speed), so the figures are the
 worker's own cost: what the engine thread spends in ``wait_for_save`` /
 ``start_load_kv``, and the time until the blocks are in the store / in the
 pages (a save seals each block with xxh3 checksums, a load checks them: one
-core's xxh3 rate is printed as the host-side bound).  Prints one table; ``--json`` writes it too.
+core's xxh3 rate is printed as the host-side bound).  A second table puts a
+save inside a stand-in forward pass (``--layer-ms`` of compute-stream work
+per layer) and compares a save gathered after it with one gathered layer by
+layer (``save_layerwise``).  ``--json`` writes both tables too.
 """
 
 from __future__ import annotations
@@ -106,12 +109,97 @@ def _raw_copies(nbytes: int, reps: int) -> tuple[float, float]:
     return float(np.median(d2h)), float(np.median(h2d))
 
 
+def _sleep_cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` cycles that keep the compute stream busy 1 ms."""
+    torch.cuda._sleep(1_000_000)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def _saves_in_a_forward_pass(caches, args, ns: bytes) -> list[dict]:
+    """A step that saves ``--blocks`` blocks, its forward pass stood in for
+    by ``--layer-ms`` of compute-stream work per layer: how much later the
+    compute stream is free for the next step than after the forward pass
+    alone (the save's page reads hold it back), what the engine thread
+    spends in the hooks, and when the blocks are in the store; saved after
+    the forward pass (``wait_for_save``) and layer by layer
+    (``save_layerwise``).  The saved blocks are loaded back and compared."""
+    from ucm_connector import saves as saves_mod
+
+    n = args.blocks
+    cycles = int(args.layer_ms * _sleep_cycles_per_ms())
+    names = list(caches)
+    out = []
+    for layerwise in (False, True):
+        store = MemStore(n * blockfmt.block_nbytes(len(names) * 8 * 16 * 2 * 128 * 2) + (1 << 20))
+        w = UCMWorker(store=store, namespace_digest=ns, tp_rank=0, num_blocks=args.num_blocks,
+                      max_pending_nbytes=2 * n * (2 << 20) + (1 << 20), stats=StatsCollector(),
+                      blocks_per_request=n, save_layerwise=layerwise)
+        w.register_kv_caches(caches)
+        payload = w.payload_nbytes
+        assert w.saves.layerwise == layerwise, "no layer gathers here (CUDA runtime library?)"
+        assert n * payload >= saves_mod.LAYERWISE_SAVE_MIN_NBYTES or not layerwise
+        alone, extra, hooks, stored = [], [], [], []
+        for rep in range(args.reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in names:
+                torch.cuda._sleep(cycles)
+            torch.cuda.current_stream().synchronize()
+            alone.append(time.perf_counter() - t0)
+            keys = [b"f%d-%d-%d" % (layerwise, rep, i) for i in range(n)]
+            plans = [BlockPlan("r", list(range(n)), keys)]
+            store.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            host = 0.0
+            h = time.perf_counter()
+            w.begin_step(n * 16, [], [], saves=plans)
+            host += time.perf_counter() - h
+            for name in names:
+                torch.cuda._sleep(cycles)
+                h = time.perf_counter()
+                w.save_layer(name)
+                host += time.perf_counter() - h
+            h = time.perf_counter()
+            w.end_step()
+            w.save(plans)
+            host += time.perf_counter() - h
+            torch.cuda.current_stream().synchronize()   # the next step could start here
+            free = time.perf_counter() - t0
+            assert w.flush(60)
+            stored.append(time.perf_counter() - t0)
+            extra.append(free - alone[-1])
+            hooks.append(host)
+        # What was stored is what the pages hold.
+        got = store.get(keys)
+        for i in (0, n // 2, n - 1):
+            want = b"".join(caches[name][i].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                            for name in names)
+            assert bytes(got[i])[blockfmt.HEADER_NBYTES:] == want, f"block {i} differs"
+        out.append({"save": "layer by layer" if layerwise else "after the forward pass",
+                    "forward_ms": 1e3 * float(np.median(alone)),
+                    "compute_extra_ms": 1e3 * float(np.median(extra)),
+                    "engine_thread_ms": 1e3 * float(np.median(hooks)),
+                    "stored_ms": 1e3 * float(np.median(stored)),
+                    "layerwise_saved_blocks": w.stats.totals()["layerwise_saved_blocks"]})
+        w.close()
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=128)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--layer-ms", type=float, default=1.0,
+                   help="compute-stream work per layer standing in for a forward pass (saves during one)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,9 +284,19 @@ def main(argv=None) -> int:
               f"{r['load_gbps'] / r['raw_h2d_gbps']:.2f} |")
     print(f"raw pinned copies: d2h {rows[0]['raw_d2h_gbps']:.1f} GB/s, h2d {rows[0]['raw_h2d_gbps']:.1f} GB/s; "
           f"xxh3_64 on one core: {xxh3_gbps:.1f} GB/s")
+    forward = _saves_in_a_forward_pass(caches, args, ns)
+    print(f"\nA step saving {n} blocks, {args.layers} layers of {args.layer_ms} ms of compute-stream work "
+          f"standing in for its forward pass; medians of {args.reps}")
+    print("| save | forward pass alone ms | compute stream free later by ms | engine thread in hooks ms "
+          "| in the store after ms | blocks saved layer by layer |")
+    print("|---|---|---|---|---|---|")
+    for r in forward:
+        print(f"| {r['save']} | {r['forward_ms']:.1f} | {r['compute_extra_ms']:.2f} | {r['engine_thread_ms']:.2f} "
+              f"| {r['stored_ms']:.1f} | {r['layerwise_saved_blocks']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "rows": rows, "xxh3_gbps": xxh3_gbps}, f, indent=1)
+            json.dump({"device": name, "rows": rows, "xxh3_gbps": xxh3_gbps, "saves_in_a_forward_pass": forward},
+                      f, indent=1)
     return 0
 
 

@@ -327,10 +327,12 @@ def engines(tmp_path_factory, request):
         _gen("down_batch", [A, B]),
     ]), deps=["redis1"]))
 
-    # The same workload with the two other ways of loading.
-    for mode, option in (("async", "load_kv_async"), ("layer", "load_layerwise")):
+    # The same workload with the two other ways of loading; the layerwise
+    # run also saves layer by layer.
+    for mode, options in (("async", {"load_kv_async": True}),
+                          ("layer", {"load_layerwise": True, "save_layerwise": True})):
         eng.add(Run(f"disk-{mode}", connector(f"disk://{workdir}/store-{mode}", _with_flushes(workload),
-                                               extra_config={option: True})))
+                                               extra_config=options)))
 
     # Four engines alive at once on one store: two alike, which hit each
     # other's blocks, then float32 KV and 64-token blocks, which must not.
@@ -495,6 +497,17 @@ def test_async_and_layerwise_loads_equal_vllm_prefix_cache(engines, mode, item):
     assert got[item]["cached"] == EXPECTED_CACHED[item], f"{mode} {item}: hits {got[item]['cached']}"
     _same(got[item], ref[item], f"{mode} {item}")
     assert got[f"flush_after_{item}"]["blocks"] == EXPECTED_BLOCKS[item]
+
+
+@uses('disk-layer')
+def test_save_layerwise_copies_every_saved_block_as_vllm_reports_each_layer(engines):
+    """save_layerwise (in the layerwise run, whose warm hits above come from
+    those saves): vLLM's attention reports every layer to save_kv_layer, so
+    every block handed to the writer was copied during the forward pass."""
+    steps = [s for s in engines.result("disk-layer").values() if isinstance(s, dict) and "counters" in s]
+    saved = sum(s["counters"].get("vllm:ucm_saved_blocks", 0) for s in steps)
+    layerwise = sum(s["counters"].get("vllm:ucm_layerwise_saved_blocks", 0) for s in steps)
+    assert saved > 0 and layerwise >= saved, (saved, layerwise)
 
 
 @uses('disk1')

@@ -226,6 +226,90 @@ def test_with_tp_a_failure_on_another_rank_drops_the_save_here(store, device):
     w.close()
 
 
+# -- save_layerwise ---------------------------------------------------------------
+
+
+def _layerwise_worker(store, caches, monkeypatch, **kw):
+    from ucm_connector import saves as saves_mod
+
+    monkeypatch.setattr(saves_mod, "LAYERWISE_SAVE_MIN_NBYTES", 0)   # tiny test blocks on CUDA too
+    w = worker_mod.UCMWorker(store=store, namespace_digest=NS, tp_rank=0, num_blocks=NUM_BLOCKS,
+                             max_pending_nbytes=1 << 30, stats=StatsCollector(), blocks_per_request=8,
+                             save_layerwise=True, **kw)
+    w.register_kv_caches(caches)
+    assert w.saves.layerwise
+    return w
+
+
+def _all_rows_free(w) -> bool:
+    rows = w.save_pool.take(w.save_pool.capacity, wait=True, timeout=10)
+    if rows is None:
+        return False
+    rows.release()
+    return True
+
+
+def test_a_layerwise_save_stores_each_layer_as_its_attention_left_it(store, device, monkeypatch):
+    """begin_step with the step's saves, then save_layer as each layer's
+    pages are written: the stored blocks hold those bytes.  On CPU the pages
+    are overwritten after the last layer and before wait_for_save, so a
+    gather made there (not layer by layer) would store the wrong bytes; on
+    CUDA the overwrite is queued after wait_for_save and must not reach the
+    rows.  A block the store has is skipped, a save computed on a failed
+    load is dropped, and every row comes back to the pool."""
+    src = _caches(11, device)
+    w = _layerwise_worker(store, src, monkeypatch, share_failures=lambda mine: mine | {20},
+                          events=OutcomeLog(enabled=True))
+    keys = _keys(6)
+    assert store.put([keys[1]], [b"already there"]) == [True]
+    plans = [BlockPlan("r", [0, 1, 2], keys[:3]), BlockPlan("s", [5, 6], keys[3:5]),
+             BlockPlan("t", [7], keys[5:6], loaded_inputs=[20])]
+    w.begin_step(64, [], [], saves=plans)
+    for layer, (name, cache) in enumerate(src.items()):
+        cache[[0, 2, 5, 6, 7]] = float(layer + 1)      # the layer's attention writes its pages
+        w.save_layer(name)
+    want = _pages(src, [0, 2, 5, 6])
+    if device == "cpu":
+        for cache in src.values():
+            cache[[0, 2, 5, 6, 7]] = -1.0
+    w.end_step()
+    w.save(plans)
+    for cache in src.values():
+        cache[[0, 2, 5, 6, 7]] = -2.0
+    assert w.flush(10)
+    assert store.contains(keys) == [True, True, True, True, True, False]
+    got = [bytes(v)[blockfmt.HEADER_NBYTES:] for v in store.get([keys[0], keys[2], keys[3], keys[4]])]
+    assert got == want
+    assert sorted(w.events.take()) == sorted([("written", keys[0]), ("present", keys[1]), ("written", keys[2]),
+                                              ("written", keys[3]), ("written", keys[4]),
+                                              ("not_stored", keys[5])])
+    assert w.stats.totals()["layerwise_saved_blocks"] == 4
+    assert _all_rows_free(w)
+    w.close()
+
+
+def test_a_layer_gather_no_save_takes_gives_its_rows_back(store, device, monkeypatch):
+    """A step begun with saves whose wait_for_save brings other plans (or
+    none), or a second begin_step before any save: the layer gather's rows
+    come back, and plans not begun are saved the usual way."""
+    src = _caches(12, device)
+    w = _layerwise_worker(store, src, monkeypatch)
+    keys = _keys(4)
+    w.begin_step(64, [], [], saves=[BlockPlan("r", [0, 1], keys[:2])])
+    w.begin_step(64, [], [], saves=[BlockPlan("r", [0, 1], keys[:2])])
+    for name in src:
+        w.save_layer(name)
+    w.save([BlockPlan("q", [2, 3], keys[2:4])])
+    w.begin_step(64, [], [], saves=[BlockPlan("r", [0], keys[:1])])
+    w.save([])
+    assert w.flush(10)
+    assert store.contains(keys) == [False, False, True, True]
+    assert [bytes(v)[blockfmt.HEADER_NBYTES:] for v in store.get(keys[2:4])] == _pages(src, [2, 3])
+    assert w.stats.totals()["layerwise_saved_blocks"] == 0
+    assert _all_rows_free(w)
+    w.close()
+
+
 def test_the_worker_side_imports_without_vllm():
     """The worker's modules run where vLLM cannot (a GPU check machine)."""
     import subprocess

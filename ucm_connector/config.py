@@ -143,6 +143,11 @@ OPTIONS: tuple[Option, ...] = (
            "Load hits layer by layer while the forward pass runs: layer i's attention waits "
            "only for layer i's pages. Not together with load_kv_async.",
            _bool),
+    Option("save_layerwise", "bool", False,
+           "Gather each layer's new blocks for saving as soon as that layer's attention is done, so that "
+           "the copies overlap the rest of the forward pass (on CUDA only in steps that save at least "
+           "16 MiB); without it the blocks are gathered once the forward pass is done.",
+           _bool),
     Option("load_policy", "always | auto", "auto",
            "Which stored hits to load: every one (always), or (auto) only as much of each as loads "
            "faster than the engine recomputes it, judged from the store's read speed and latency "
@@ -172,6 +177,7 @@ class UCMConfig:
     min_hit_blocks: int = _default("min_hit_blocks")
     load_kv_async: bool = _default("load_kv_async")
     load_layerwise: bool = _default("load_layerwise")
+    save_layerwise: bool = _default("save_layerwise")
     load_policy: str = _default("load_policy")
 
     @classmethod

@@ -187,7 +187,8 @@ class UCMConnector(KVConnectorBase_V1):
                 blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size,
                 load_mode=self.config.load_mode, events=OutcomeLog(enabled=with_events),
                 share_failures=_tp_union if namespace.tp_size > 1 else None,
-                observer=LoadObserver() if auto else None)
+                observer=LoadObserver() if auto else None,
+                save_layerwise=self.config.save_layerwise and self._save_enabled)
             from .plugin import apply_sparse
 
             # Patches vLLM's attention path only when a sparse method is configured.
@@ -202,7 +203,7 @@ class UCMConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, UCMConnectorMetadata):
             self._worker.begin_step(connector_metadata.num_tokens, connector_metadata.loads,
-                                    connector_metadata.probes)
+                                    connector_metadata.probes, saves=connector_metadata.saves)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if not self._load_enabled:
@@ -216,7 +217,8 @@ class UCMConnector(KVConnectorBase_V1):
             self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         if self._worker is not None:

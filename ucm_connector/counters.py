@@ -50,6 +50,9 @@ TABLE: tuple[Counter, ...] = (
             "Time spent saving blocks: copies out of the cache and store writes."),
     Counter("skipped_saves", "vllm:ucm_skipped_saves", "blocks",
             "Blocks not saved: already stored, the writer's backlog was full, or the store refused them."),
+    Counter("layerwise_saved_blocks", "vllm:ucm_layerwise_saved_blocks", "blocks",
+            "Blocks to save that were copied out of the cache layer by layer during the forward pass "
+            "(save_layerwise); the others were copied after it."),
     Counter("load_errors", "vllm:ucm_load_errors", "blocks",
             "Blocks that failed to load (missing, corrupt or store down) and were recomputed."),
     Counter("store_errors", "vllm:ucm_store_errors", "operations",

@@ -9,6 +9,12 @@ rows themselves, so the engine never waits on the store's I/O.  Blocks the
 store has are skipped; a full backlog skips saves rather than wait; KV
 computed on a page whose load failed is never saved.
 
+With ``save_layerwise`` the gather moves into the forward pass: the step's
+save blocks get their rows when the step begins, each layer's pages are
+copied out as vLLM reports the layer written (``save_kv_layer``), and
+``wait_for_save`` copies what was not reported, applies the same checks and
+hands the rows of the blocks to store to the writer.
+
 This module only writes to the store; loading is ``loads.py``'s.  It must
 not import vLLM.
 """
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from store_backends import StoreError
 
@@ -29,9 +35,22 @@ from .plans import BlockPlan
 from .rows import HostRows
 from .transfer import Transfer
 
+if TYPE_CHECKING:
+    from .layer_gather import LayerGather
+
 
 #: Bytes of payload handed to the writer at a time.
 SAVE_PART_NBYTES = 24 << 20
+
+#: On CUDA, with ``save_layerwise``, a step saves layer by layer only from
+#: this many bytes of payload: each layer costs a few launches of engine
+#: thread, which a step saving a block or two does not win back.
+LAYERWISE_SAVE_MIN_NBYTES = 16 << 20
+
+#: A layer gather begun for a step: each plan's first row, by the plan's id
+#: (with the plan, so that the id cannot be reused while it is kept), and
+#: the gather.
+_Layered = tuple[dict[int, tuple[BlockPlan, int]], "LayerGather"]
 
 
 class Saves(BlockIO):
@@ -42,8 +61,13 @@ class Saves(BlockIO):
     copy, seals each row's envelope and puts the rows themselves.  Built
     from ``BlockIO``'s parts, and ``share_failures`` (below)."""
 
-    def __init__(self, *, share_failures: Callable[[set[int]], set[int]] | None = None, **parts) -> None:
+    def __init__(self, *, share_failures: Callable[[set[int]], set[int]] | None = None,
+                 layerwise: bool = False, **parts) -> None:
         super().__init__(**parts)
+        # save_layerwise: the step's save blocks are gathered as each
+        # layer's attention finishes (``begin``, ``layer_done``).
+        self.layerwise = layerwise and self.transfer.can_gather_by_layer
+        self._layered: _Layered | None = None
         # With TP > 1 every rank's forward pass reads every rank's pages
         # (through the all-reduce), so a save is dropped when a load failed
         # on any rank: this returns the union over the TP group.
@@ -81,7 +105,61 @@ class Saves(BlockIO):
                     len(keys), plan.req_id)
         return kept
 
+    # -- save_layerwise: the gather runs during the forward pass -------------
+
+    def begin(self, plans: list[BlockPlan]) -> None:
+        """The step's forward pass is about to run: with ``layerwise``, take
+        rows for all of its save blocks and gather them layer by layer as
+        ``layer_done`` comes.  Where the rows cannot be had now, the step
+        saves as without ``layerwise``."""
+        self._abandon()
+        if not self.layerwise or not plans:
+            return
+        block_ids = [b for plan in plans for b in plan.block_ids]
+        if not block_ids or (self.transfer.on_cuda
+                             and len(block_ids) * self.payload_nbytes < LAYERWISE_SAVE_MIN_NBYTES):
+            return
+        rows = self.pool.take(len(block_ids), wait=False)
+        if rows is None:
+            return
+        try:
+            gather = self.transfer.layer_gather(block_ids, rows)
+        except BaseException:
+            rows.release()
+            raise
+        starts, at = {}, 0
+        for plan in plans:
+            starts[id(plan)] = (plan, at)
+            at += len(plan.block_ids)
+        self._layered = (starts, gather)
+
+    def layer_done(self, layer: int) -> None:
+        """``save_kv_layer``: layer ``layer``'s KV of the step is written."""
+        if self._layered is not None:
+            self._layered[1].layer(layer)
+
+    def _abandon(self) -> None:
+        """Drop a layer gather that no save took (its rows come back once
+        its copy is done)."""
+        if self._layered is not None:
+            gather = self._layered[1]
+            self._layered = None
+            gather.rows.release(after=gather.finish())
+
+    # -- the save --------------------------------------------------------------
+
     def save(self, plans: list[BlockPlan]) -> None:
+        """``wait_for_save``: the step's blocks to save (those kept by
+        ``drop_tainted``)."""
+        try:
+            self._save(plans)
+        finally:
+            self._abandon()   # a layer gather this save did not take
+
+    def _save(self, plans: list[BlockPlan]) -> None:
+        layered = self._layered
+        if layered is not None and not all(layered[0].get(id(plan), (None,))[0] is plan for plan in plans):
+            layered = None   # not the plans it was begun with
         if not plans:
             return
         t0 = time.perf_counter()
@@ -101,6 +179,13 @@ class Saves(BlockIO):
         todo = [i for i, p in enumerate(present) if not p]
         self.events.add(PRESENT, [key for key, p in zip(keys, present) if p])
         skipped = len(keys) - len(todo)
+        if layered is not None:
+            self._layered = None
+            self._save_gathered(plans, layered, keys, todo, overwrite)
+            if skipped:
+                self.stats.add(skipped_saves=skipped)
+            self.stats.add(save_seconds=time.perf_counter() - t0)
+            return
         # Parts of about SAVE_PART_NBYTES: the writer puts one while the
         # next is gathered (benchmarks/RESULTS.md).
         step = min(self.pool.capacity, max(1, SAVE_PART_NBYTES // self.payload_nbytes))
@@ -120,28 +205,45 @@ class Saves(BlockIO):
             except BaseException:
                 rows.release()
                 raise
-            self._writer.put(([keys[i] for i in part], rows, copy, [keys[i] for i in part if overwrite[i]]))
+            self._writer.put(([keys[i] for i in part], rows, copy, [keys[i] for i in part if overwrite[i]], None))
         if skipped:
             self.stats.add(skipped_saves=skipped)
         self.stats.add(save_seconds=time.perf_counter() - t0)
 
-    def _write(self, job: tuple[list[bytes], HostRows, Transfer, list[bytes]]) -> None:
-        keys, rows, copy, replace = job
+    def _save_gathered(self, plans: list[BlockPlan], layered: "_Layered",
+                       keys: list[bytes], todo: list[int], overwrite: list[bool]) -> None:
+        """Hand the writer the rows of a layer gather that hold blocks to
+        save (``todo``, indices into the kept ``plans``' blocks)."""
+        starts, gather = layered
+        row_of = [starts[id(plan)][1] + j for plan in plans for j in range(len(plan.block_ids))]
+        if gather.layers_left == 0:
+            self.stats.add(layerwise_saved_blocks=len(todo))
+        copy = gather.finish()
+        if not todo:
+            gather.rows.release(after=copy)
+            return
+        self._writer.put(([keys[i] for i in todo], gather.rows, copy, [keys[i] for i in todo if overwrite[i]],
+                          [row_of[i] for i in todo]))
+
+    def _write(self, job: tuple[list[bytes], HostRows, Transfer, list[bytes], list[int] | None]) -> None:
+        keys, rows, copy, replace, picks = job
         t0 = time.perf_counter()
         try:
             copy.wait()
+            # The rows to put: all of them, or those a layer gather picked.
+            chosen = list(rows.rows) if picks is None else [rows.rows[i] for i in picks]
             # Sealed here, after the copy: on CUDA it writes whole rows.
             if copy.checksums is not None:
-                for row, key, checksum in zip(rows.rows, keys, copy.checksums):
+                for row, key, checksum in zip(chosen, keys, copy.checksums):
                     blockfmt.pack_header_into(row, self.namespace_digest, self.payload_nbytes, checksum, key=key)
             else:
-                for row, key in zip(rows.rows, keys):
+                for row, key in zip(chosen, keys):
                     blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
             if replace:
                 # Stores keep the first value put under a key; a value
                 # that must not survive is deleted first (in every tier).
                 self.store.delete(replace)
-            stored = self.store.put(keys, [memoryview(row) for row in rows.rows])
+            stored = self.store.put(keys, [memoryview(row) for row in chosen])
         except Exception as exc:  # the writer must outlive any one bad batch
             self.report.failed("store save", exc)
             stored = [False] * len(keys)
@@ -162,5 +264,6 @@ class Saves(BlockIO):
         return self._writer.flush(timeout)
 
     def close(self) -> None:
+        self._abandon()
         self.flush(timeout=60)
         self._writer.close()

@@ -102,7 +102,7 @@ class UCMWorker:
                  max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0,
                  load_mode: LoadMode | str = LoadMode.SYNC, events: OutcomeLog | None = None,
                  share_failures: Callable[[set[int]], set[int]] | None = None,
-                 observer: LoadObserver | None = None) -> None:
+                 observer: LoadObserver | None = None, save_layerwise: bool = False) -> None:
         self.store = store
         self.namespace_digest = namespace_digest
         self.tp_rank = tp_rank
@@ -111,6 +111,7 @@ class UCMWorker:
         self.stats = stats
         self.blocks_per_request = blocks_per_request
         self.load_mode = LoadMode(load_mode)
+        self.save_layerwise = save_layerwise
         self.events = events or OutcomeLog(enabled=False)
         self._share_failures = share_failures
         self._report = Reporter(stats)
@@ -145,19 +146,24 @@ class UCMWorker:
             self.clock = StepClock(self.observer, on_cuda=self.transfer.on_cuda)
             self.prober = Prober(reader["store"], self.block_nbytes, self.tp_rank)
         self.loads = LOADS[self.load_mode](BlockReader(**reader, pool=self.load_pool))
-        self.saves = Saves(**parts, pool=self.save_pool, share_failures=self._share_failures)
+        self.saves = Saves(**parts, pool=self.save_pool, share_failures=self._share_failures,
+                           layerwise=self.save_layerwise)
         logger.info("ucm-connector: %d layers registered, %d bytes of KV per block and rank",
                     self.transfer.num_layers, self.payload_nbytes)
 
     # -- the hooks, in the order vLLM calls them in a step ------------------------
 
-    def begin_step(self, num_tokens: int, plans: list[BlockPlan], probes: list[BlockProbe]) -> None:
-        """A step's plan is bound: its forward pass is about to run."""
+    def begin_step(self, num_tokens: int, plans: list[BlockPlan], probes: list[BlockProbe],
+                   saves: list[BlockPlan] | None = None) -> None:
+        """A step's plan is bound: its forward pass is about to run
+        (``saves``: the blocks it will save, for ``save_layerwise``)."""
         if self.clock is not None:
             loads_first = bool(plans) and self.load_mode is not LoadMode.ASYNC
             self.clock.begin(num_tokens, loads_first=loads_first)
         if probes and self.prober is not None:
             self.prober.probe(probes)
+        if self.saves is not None and self.saves.layerwise:
+            self.saves.begin(saves or [])
 
     def load(self, plans: list[BlockPlan]) -> None:
         """``start_load_kv``: start (sync: do) this step's loads."""
@@ -176,6 +182,13 @@ class UCMWorker:
                 return
             with self.clock.excluded():
                 self.loads.wait_for_layer(self._layer_index.get(layer_name, 0))
+
+    def save_layer(self, layer_name: str) -> None:
+        """``save_kv_layer``: that layer's KV of the step is written."""
+        if self.saves is not None and self.saves.layerwise:
+            layer = self._layer_index.get(layer_name)
+            if layer is not None:
+                self.saves.layer_done(layer)
 
     def end_step(self) -> None:
         """``wait_for_save``: the step's forward pass is done."""
