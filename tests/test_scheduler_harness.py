@@ -135,13 +135,14 @@ def test_local_prefix_cache_and_store_together(disk_url, harnesses):
 # -- load failures -------------------------------------------------------------------
 
 
-def _poison_setup(store_url, mode, harnesses, how):
-    """A stored 10-block prompt; then a new engine asks for its first 6
-    blocks followed by 4 new ones, and block 2 fails to load."""
+def _poison_setup(store_url, mode, harnesses, how, **kwargs):
+    """A stored 10-block prompt; then a new engine (made with ``kwargs``)
+    asks for its first 6 blocks followed by 4 new ones, and block 2 fails
+    to load."""
     stored = prompt(10 * BS + 5, seed=5)
     run_one(harnesses(store=store_url), stored)
     asked = stored[:6 * BS] + prompt(4 * BS + 5, seed=6)
-    h = harnesses(store=store_url, load_mode=mode)
+    h = harnesses(store=store_url, load_mode=mode, **kwargs)
     bad_key = h.keys_of(stored)[2]
     if how == "corrupt":
         h.damage(bad_key)
@@ -169,6 +170,27 @@ def test_a_failed_load_never_leaves_wrong_kv_in_the_store(store_url, mode, how, 
     run_one(third, asked)
     assert third.counters()["loaded_blocks"] == 10
     assert third.counters()["load_errors"] == 0
+
+
+@pytest.mark.parametrize("how", ["corrupt", "missing"])
+@pytest.mark.parametrize("mode", MODES)
+def test_layerwise_saves_store_the_right_kv_and_none_of_a_failed_load(disk_url, mode, how, harnesses):
+    """save_layerwise (each layer's pages copied out as the harness's
+    forward pass reports it): hits, chunked prefill and the failed load of
+    the test above; after every step the store holds exactly each block's
+    KV, and every saved block went out layer by layer."""
+    tokens = prompt(9 * BS + 3, seed=8)
+    first = harnesses(store=disk_url, load_mode=mode, max_num_batched_tokens=40,
+                      extra={"save_layerwise": True})
+    run_one(first, tokens)
+    counters = first.counters()
+    assert counters["saved_blocks"] == 9
+    assert counters["layerwise_saved_blocks"] == 9
+    h, asked, _ = _poison_setup(disk_url, mode, harnesses, how, extra={"save_layerwise": True})
+    run_one(h, asked)
+    assert h.counters()["load_errors"] >= 1
+    assert h.counters()["layerwise_saved_blocks"] >= 1
+    assert all(k in h.stored_blocks() for k in h.keys_of(asked))
 
 
 def test_blocks_replanned_after_a_failure_replace_what_the_store_holds(store_url, harnesses):

@@ -350,6 +350,43 @@ def test_a_layer_gather_copies_what_a_whole_gather_does(build, page_by_page, dev
     rows.release(after=copy)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_by_page", [True, False], ids=["page-by-page", "fancy-index"])
+@pytest.mark.parametrize("build", list(_layered_cases()))
+def test_a_layer_scatter_writes_what_a_whole_scatter_does(build, page_by_page, device):
+    """Rows 0, 2 and 3 of four (row 1 failed its check) go to three blocks a
+    layer at a time, the last layer by finish(): the caches end exactly as
+    after a whole scatter of the same rows (code of its own, checked
+    against the logical views above), and each layer is in its pages once
+    it is issued and ordered."""
+    src = build(device)
+    transfer = BlockTransfer(src, num_blocks=10, page_by_page=page_by_page)
+    row_nbytes = HEADER + transfer.payload_nbytes
+    pool = transfer.row_pool(row_nbytes, HEADER, max_nbytes=8 * row_nbytes)
+    rows = pool.take(4)
+    rows.payload[:] = _gather(transfer, [1, 5, 8, 2])
+    # The same caches again (the same layout and bytes), three times.
+    dst, want, fresh = build(device), build(device), build(device)
+    whole_rows = pool.take(4)
+    whole_rows.rows[:] = rows.rows
+    BlockTransfer(want, num_blocks=10, page_by_page=page_by_page).scatter_rows(
+        [7, 0, 4], whole_rows, row_ids=[0, 2, 3]).synchronize()
+    into = BlockTransfer(dst, num_blocks=10, page_by_page=page_by_page)
+    scatter = into.layer_scatter([7, 0, 4], rows, row_ids=[0, 2, 3])
+    names = list(dst)
+    for layer in (1, 0, 1):
+        scatter.layer(layer)
+        scatter.order(layer)
+        assert _bytes(dst[names[layer]]) == _bytes(want[names[layer]])
+    assert _bytes(dst[names[2]]) == _bytes(fresh[names[2]])    # not issued yet
+    scatter.finish().synchronize()
+    for name in names:
+        assert _bytes(dst[name]) == _bytes(want[name]), name
+        assert _bytes(dst[name]) != _bytes(fresh[name]), name
+    rows.release()
+    whole_rows.release()
+
+
 def test_a_layer_gather_sees_what_each_layer_held_when_it_was_told():
     """CPU: a layer is copied when told of; pages written after that are
     not in the rows (the forward pass has moved on to later layers)."""
@@ -389,7 +426,7 @@ def test_a_layer_gather_sees_the_layer_written_just_before_and_later_kernels_wai
     that overwrites the pages runs after they were read."""
     _, src = _vllm("LBNHC", "cuda", blocks=64, tokens=16, heads=8, head_size=128)
     transfer = BlockTransfer(src, num_blocks=64)
-    assert transfer.can_gather_by_layer
+    assert transfer.can_copy_by_layer
     pool = transfer.row_pool(HEADER + transfer.payload_nbytes, HEADER, max_nbytes=64 << 20)
     rows = pool.take(4)
     gather = transfer.layer_gather([17, 3, 40, 5], rows)

@@ -12,8 +12,9 @@
 
 The library is the runtime torch itself loaded (matched by its soname, the
 major version torch was built with first), so streams and pointers are
-shared.  Where it cannot be found, ``available()`` is False and callers
-keep to torch's own copies.  This module knows nothing of caches or rows.
+shared.  Where it cannot be found, or ``pitched_copies_work`` finds its
+copies wrong on the device, callers keep to torch's own copies.  This
+module knows nothing of caches or rows.
 """
 
 from __future__ import annotations
@@ -58,6 +59,33 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the CUDA runtime library could be loaded."""
     return _library() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def pitched_copies_work(device) -> bool:
+    """Whether ``copy_2d_async`` moves the right bytes both ways between
+    pinned host memory and ``device``: tried once, on a few bytes, so that a
+    runtime library that does not match torch's is never used for KV."""
+    if not available():
+        return False
+    try:
+        import torch
+
+        host = torch.arange(64, dtype=torch.uint8).pin_memory()
+        back = torch.zeros(64, dtype=torch.uint8).pin_memory()
+        dev = torch.zeros(32, dtype=torch.uint8, device=device)
+        stream = torch.cuda.current_stream(device)
+        # Four runs of 8 bytes, 16 apart on the host, packed on the device.
+        copy_2d_async(dev.data_ptr(), 8, host.data_ptr(), 16, 8, 4, HOST_TO_DEVICE, stream.cuda_stream)
+        copy_2d_async(back.data_ptr() + 4, 16, dev.data_ptr(), 8, 8, 4, DEVICE_TO_HOST, stream.cuda_stream)
+        stream.synchronize()
+        want = torch.zeros(64, dtype=torch.uint8)
+        for run in range(4):
+            want[run * 16 + 4:run * 16 + 12] = host[run * 16:run * 16 + 8]
+        return bool(torch.equal(back, want))
+    except Exception:
+        clear_last_error()
+        return False
 
 
 def clear_last_error() -> None:

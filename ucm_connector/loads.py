@@ -24,6 +24,7 @@ from .blockio import JobThread
 from .config import LoadMode
 from .plans import BlockPlan
 from .reader import BlockReader
+from .layer_copies import LayerScatter
 from .transfer import Transfer
 
 
@@ -135,13 +136,17 @@ class _LayerJob:
         self.done = threading.Event()
         self.bad_block_ids: set[int] = set()
         self.copies: list[Transfer] = []
+        self.scatters: list[LayerScatter] = []
 
 
 class LayerLoads:
-    """Reads a step's blocks on the loader thread and copies them layer by
-    layer; the forward pass of layer i waits only for layer i's pages.  On
-    CUDA the upload of every layer is one copy, and layer i's attention
-    waits for it on the device (an event), not on the host."""
+    """Reads a step's blocks on the loader thread and copies them into the
+    pages layer by layer; the forward pass of layer i waits only for layer
+    i's pages.  On CPU the loader thread copies layer after layer; on CUDA
+    it issues each layer's upload on a side stream, and layer i's attention
+    waits for it on the device (an event), not on the host.  A load larger
+    than the pool, or a CUDA device where layer copies cannot be made
+    (``can_copy_by_layer``), is copied whole: every layer is ready at once."""
 
     mode = LoadMode.LAYER
 
@@ -160,22 +165,28 @@ class LayerLoads:
         transfer = self.reader.transfer
         num_blocks = sum(len(plan.block_ids) for plan in job.plans)
         try:
-            if transfer.on_cuda or num_blocks > self.reader.pool.capacity:
-                # One upload of every layer (or more rows than the pool
-                # holds at once): the layers are ready together.
+            if num_blocks > self.reader.pool.capacity or not transfer.can_copy_by_layer:
+                # More rows than the pool holds at once: read and copy a
+                # pool's worth at a time; the layers are ready together.
                 _, job.bad_block_ids, _, job.copies = self.reader.read(job.plans, after=job.stream)
             else:
                 _, job.bad_block_ids, chunks, _ = self.reader.read(job.plans, scatter=False)
+                made: dict[int, LayerScatter] = {}
                 try:
+                    for k, chunk in enumerate(chunks):
+                        if chunk.good:
+                            made[k] = transfer.layer_scatter(chunk.good_ids, chunk.rows, row_ids=chunk.good,
+                                                             after=job.stream)
+                    job.scatters = list(made.values())
                     for i in range(transfer.num_layers):
-                        for chunk in chunks:
-                            if chunk.good:
-                                transfer.scatter(chunk.good_ids, chunk.rows.payload, range(i, i + 1),
-                                                 row_ids=chunk.good)
+                        for scatter in job.scatters:
+                            scatter.layer(i)
                         job.layer_done[i].set()
                 finally:
-                    for chunk in chunks:
-                        chunk.rows.release()
+                    # Each chunk's rows come back once what was issued from
+                    # them is done (after a failure, nothing more is issued).
+                    for k, chunk in enumerate(chunks):
+                        chunk.rows.release(after=made[k].finish(issue_rest=False) if k in made else None)
         except Exception as exc:  # every block of the job counts as failed
             self.reader.report.failed("block load", exc)
             job.bad_block_ids = {b for plan in job.plans for b in plan.block_ids}
@@ -189,6 +200,8 @@ class LayerLoads:
         job = self._job
         if job is not None:
             job.layer_done[layer].wait()
+            for scatter in job.scatters:
+                scatter.order(layer)
             for copy in job.copies:
                 copy.order_stream()
 

@@ -36,7 +36,7 @@ from .rows import HostRows
 from .transfer import Transfer
 
 if TYPE_CHECKING:
-    from .layer_gather import LayerGather
+    from .layer_copies import LayerGather
 
 
 #: Bytes of payload handed to the writer at a time.
@@ -66,7 +66,7 @@ class Saves(BlockIO):
         super().__init__(**parts)
         # save_layerwise: the step's save blocks are gathered as each
         # layer's attention finishes (``begin``, ``layer_done``).
-        self.layerwise = layerwise and self.transfer.can_gather_by_layer
+        self.layerwise = layerwise and self.transfer.can_copy_by_layer
         self._layered: _Layered | None = None
         # With TP > 1 every rank's forward pass reads every rank's pages
         # (through the all-reduce), so a save is dropped when a load failed

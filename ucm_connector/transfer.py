@@ -11,8 +11,9 @@ issues.  It is made of parts that live beside it:
   pinned on CUDA;
 * ``staging.py``: the ring of device staging slots a CUDA copy moves
   through in chunks;
-* ``layer_gather.py``: a gather made a layer at a time while the forward
-  pass runs (``save_layerwise``; ``layer_gather`` makes one).
+* ``layer_copies.py``: gathers and scatters made a layer at a time while
+  the forward pass runs (``save_layerwise``, ``load_layerwise``;
+  ``layer_gather`` and ``layer_scatter`` make them).
 
 On CPU a copy is one fancy-indexed assignment per layer, over numpy views
 of the caches.  On CUDA, an index kernel gathers a chunk's pages into a
@@ -41,7 +42,7 @@ from .rows import HostRows, RowPool
 from .staging import StagingRing, ids_on_device, payload_views, round_up
 
 if TYPE_CHECKING:
-    from .layer_gather import LayerGather, LayerStaging
+    from .layer_copies import LayerGather, LayerScatter, LayerStaging
 
 __all__ = ["BlockTransfer", "HostRows", "LayerView", "RowPool", "Transfer", "describe_layer"]
 
@@ -128,7 +129,7 @@ class BlockTransfer:
             self._views: dict[tuple[int, int], torch.Tensor] = {}
             self._own_pool: RowPool | None = None
             self._own_pool_lock = threading.Lock()
-            self._layer_staging: LayerStaging | None = None
+            self._layer_staging: dict[str, LayerStaging] = {}
             self._layer_views: dict[tuple[int, int], torch.Tensor] = {}
         else:
             # uint8 numpy views of each layer's pages: [num_blocks, *dims].
@@ -266,21 +267,29 @@ class BlockTransfer:
         """A gather of ``block_ids`` into ``rows`` (row i for block i), made
         one layer at a time as each layer's pages are written
         (``LayerGather``)."""
-        from .layer_gather import LayerGather
+        from .layer_copies import LayerGather
 
         if len(block_ids) > rows.count:
             raise ValueError(f"{len(block_ids)} blocks do not fit in {rows.count} rows")
         return LayerGather(self, block_ids, rows)
 
+    def layer_scatter(self, block_ids: Sequence[int], rows: HostRows, row_ids: Sequence[int] | None = None,
+                      after: torch.cuda.Stream | None = None) -> "LayerScatter":
+        """A scatter of row ``row_ids[i]`` (default: row i) into the pages
+        of ``block_ids[i]``, made one layer at a time (``LayerScatter``)."""
+        from .layer_copies import LayerScatter
+
+        return LayerScatter(self, block_ids, rows, row_ids, after)
+
     @property
-    def can_gather_by_layer(self) -> bool:
-        """Whether ``layer_gather`` works here (on CUDA it needs the CUDA
-        runtime library for its pitched copies)."""
+    def can_copy_by_layer(self) -> bool:
+        """Whether ``layer_gather`` and ``layer_scatter`` work here: on CUDA
+        they need the runtime's pitched copies, tried once on the device."""
         if not self._cuda:
             return True
         from . import cudart
 
-        return cudart.available()
+        return cudart.pitched_copies_work(self.device)
 
     def layer_segment(self, layer: int) -> Segment:
         """Where one layer's pages lie, and its columns in a payload."""
@@ -294,15 +303,17 @@ class BlockTransfer:
             view = self._layer_views[(layer, word)] = self._layer_segments[layer].view(self.num_blocks, word)
         return view
 
-    def layer_staging(self) -> "LayerStaging":
-        """The side stream and device slot of this transfer's layer gathers
-        (CUDA; made on first use)."""
-        from .layer_gather import LayerStaging
+    def layer_staging(self, direction: str) -> "LayerStaging":
+        """The side stream and device slot of this transfer's layer copies
+        in one direction, ``"gather"`` or ``"scatter"`` (CUDA; made on
+        first use)."""
+        from .layer_copies import LayerStaging
 
         with self._own_pool_lock:
-            if self._layer_staging is None:
-                self._layer_staging = LayerStaging(self.device)
-            return self._layer_staging
+            staging = self._layer_staging.get(direction)
+            if staging is None:
+                staging = self._layer_staging[direction] = LayerStaging(self.device)
+            return staging
 
     def scatter(self, block_ids: Sequence[int], src: np.ndarray, layers: range | None = None,
                 row_ids: Sequence[int] | None = None) -> None:
