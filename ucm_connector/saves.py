@@ -29,6 +29,7 @@ from store_backends import StoreError
 
 from . import blockfmt
 from .blockio import BlockIO, JobThread, logger
+from .checksums import checksums
 from .hashing import keys_for_rank
 from .outcomes import NOT_STORED, PRESENT, WRITTEN
 from .plans import BlockPlan
@@ -233,12 +234,13 @@ class Saves(BlockIO):
             # The rows to put: all of them, or those a layer gather picked.
             chosen = list(rows.rows) if picks is None else [rows.rows[i] for i in picks]
             # Sealed here, after the copy: on CUDA it writes whole rows.
-            if copy.checksums is not None:
-                for row, key, checksum in zip(chosen, keys, copy.checksums):
-                    blockfmt.pack_header_into(row, self.namespace_digest, self.payload_nbytes, checksum, key=key)
-            else:
-                for row, key in zip(chosen, keys):
-                    blockfmt.pack_into(row, self.namespace_digest, self.payload_nbytes, key=key)
+            # Checksums the copy did not take are taken on several threads.
+            sums = copy.checksums
+            if sums is None:
+                lo = blockfmt.HEADER_NBYTES
+                sums = checksums([row[lo:lo + self.payload_nbytes] for row in chosen])
+            for row, key, checksum in zip(chosen, keys, sums):
+                blockfmt.pack_header_into(row, self.namespace_digest, self.payload_nbytes, checksum, key=key)
             if replace:
                 # Stores keep the first value put under a key; a value
                 # that must not survive is deleted first (in every tier).
