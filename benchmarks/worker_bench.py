@@ -8,7 +8,10 @@ batches of blocks between vLLM CPU-style caches (one contiguous
 SmolLM2-135M's shapes: 30 layers, 3 KV heads, head size 64, 128-token
 blocks, bf16, so 2.95 MB per block) and a real store.  A save is timed from
 ``save`` until the writer has put every block (gather, envelope, checksum,
-put); a load from ``load`` until every block is checked and in its pages
+put), and the same again with ``save_layerwise`` (each layer copied as
+``save_kv_layer`` would report it, back to back here: on CPU that overlaps
+nothing, it only copies in another order); a load from ``load`` until every
+block is checked and in its pages
 (``sync`` mode: the engine thread does it all), straight into the pages
 where the store can (``reads_into_parts``), and again through host rows.
 The store alone is the same store's ``put`` / ``get_into`` of the same
@@ -70,6 +73,12 @@ def bench_store(url: str, args, caches) -> dict:
                   max_pending_nbytes=2 * n * 3 << 20, stats=StatsCollector(),
                   blocks_per_request=n, load_mode=LoadMode.SYNC)
     w.register_kv_caches(caches)
+    # The same saves with save_layerwise: each layer copied as the forward
+    # pass would report it (here, back to back), then sealed and put.
+    wl = UCMWorker(store=store, namespace_digest=NS, tp_rank=0, num_blocks=args.num_blocks,
+                   max_pending_nbytes=2 * n * 3 << 20, stats=StatsCollector(),
+                   blocks_per_request=n, load_mode=LoadMode.SYNC, save_layerwise=True)
+    wl.register_kv_caches(caches)
     payload = w.payload_nbytes
     block = blockfmt.block_nbytes(payload)
     nbytes = n * payload
@@ -77,7 +86,7 @@ def bench_store(url: str, args, caches) -> dict:
     out = np.empty_like(rows)
     views = [memoryview(r) for r in rows]
     out_views = [memoryview(r) for r in out]
-    t = {k: [] for k in ("save", "load", "rows", "put", "get", "gather", "scatter", "seal", "check")}
+    t = {k: [] for k in ("save", "save_layers", "load", "rows", "put", "get", "gather", "scatter", "seal", "check")}
     src = list(range(n))
     dst = list(range(n, 2 * n))
     for rep in range(args.warmup + args.reps):
@@ -87,6 +96,16 @@ def bench_store(url: str, args, caches) -> dict:
         w.save([BlockPlan("r", src, keys)])
         assert w.flush(120)
         t_save = time.perf_counter() - t0
+        layer_keys = [b"%s-l%d-%d" % (uuid.uuid4().hex.encode(), rep, i) for i in range(n)]
+        plans = [BlockPlan("r", src, layer_keys)]
+        t0 = time.perf_counter()
+        wl.begin_step(n, [], [], saves=plans)
+        for name in caches:
+            wl.save_layer(name)
+        wl.save(plans)
+        assert wl.flush(120)
+        t_save_layers = time.perf_counter() - t0
+        store.delete(layer_keys)
         t0 = time.perf_counter()
         w.load([BlockPlan("q", dst, keys)])
         t_load = time.perf_counter() - t0
@@ -131,12 +150,14 @@ def bench_store(url: str, args, caches) -> dict:
         finally:
             pool_rows.release()
         if keep:
-            for k, v in (("save", t_save), ("load", t_load), ("rows", t_rows), ("put", t_put), ("get", t_get),
+            for k, v in (("save", t_save), ("save_layers", t_save_layers), ("load", t_load), ("rows", t_rows), ("put", t_put), ("get", t_get),
                          ("gather", t_gather), ("scatter", t_scatter), ("seal", t_seal), ("check", t_check)):
                 t[k].append(v)
     for name, view in caches.items():
         assert torch.equal(view[n:2 * n].view(torch.int16), view[:n].view(torch.int16)), name
+    assert wl.stats.totals()["layerwise_saved_blocks"] == n * (args.warmup + args.reps)
     w.close()
+    wl.close()
     store.close()
     gbps = {k: nbytes / _median(v) / 1e9 for k, v in t.items()}
     return {
@@ -189,13 +210,14 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     r0 = results[0]
     print(f"{r0['blocks']} blocks of {r0['block_mb']:.2f} MB per batch; medians of {args.reps}; GB/s of payload")
-    print("| store | connector save | store put | save / put | connector load | store get | load / get "
-          "| load via rows | rows / get | gather | seal | check | scatter |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| store | connector save | save layer by layer | store put | save / put | connector load | store get "
+          "| load / get | load via rows | rows / get | gather | seal | check | scatter |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         g = r["gbps"]
         how = "into pages" if r["into_pages"] else "via rows"
-        print(f"| {r['store']} | {g['save']:.2f} | {g['put']:.2f} | {r['save_ratio']:.2f}x | {g['load']:.2f} "
+        print(f"| {r['store']} | {g['save']:.2f} | {g['save_layers']:.2f} | {g['put']:.2f} | {r['save_ratio']:.2f}x "
+              f"| {g['load']:.2f} "
               f"({how}) | {g['get']:.2f} | {r['load_ratio']:.2f}x | {g['rows']:.2f} | {r['rows_ratio']:.2f}x | "
               f"{g['gather']:.1f} | {g['seal']:.1f} | {g['check']:.1f} | {g['scatter']:.1f} |")
     if args.json:
