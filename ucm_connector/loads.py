@@ -22,9 +22,9 @@ import time
 
 from .blockio import JobThread
 from .config import LoadMode
+from .layer_copies import LayerScatter
 from .plans import BlockPlan
 from .reader import BlockReader
-from .layer_copies import LayerScatter
 from .transfer import Transfer
 
 

@@ -458,9 +458,9 @@ class BlockTransfer:
                 if len(pick):
                     whole = len(pick) == hi - lo and np.array_equal(order[pick], np.arange(lo, hi))
                     chunks.append((lo, hi, targets[pick], None if whole else order[pick] - lo))
-            ids = ids_on_device(self.device, np.concatenate([c[2] for c in chunks] + [c[3] for c in chunks
-                                                                                 if c[3] is not None]),
-                                      ring.kernel_stream)
+            ids = ids_on_device(self.device,
+                                np.concatenate([c[2] for c in chunks] + [c[3] for c in chunks if c[3] is not None]),
+                                ring.kernel_stream)
             # Pages of freed blocks may still be read by queued kernels.
             ring.kernel_stream.wait_stream(compute)
             start, cursor = 0, sum(len(c[2]) for c in chunks)
