@@ -145,6 +145,12 @@ class UCMWorker:
             reader["store"] = observe_reads(self.store, self.observer)
             self.clock = StepClock(self.observer, on_cuda=self.transfer.on_cuda)
             self.prober = Prober(reader["store"], self.block_nbytes, self.tp_rank)
+        if self.transfer.on_cuda and (self.save_layerwise or self.load_mode is LoadMode.LAYER):
+            # Tried here, once, at start-up rather than in a step.
+            if not self.transfer.can_copy_by_layer:
+                logger.warning("ucm-connector: the CUDA runtime's pitched copies are unavailable here; "
+                               "load_layerwise uploads all layers at once and save_layerwise copies after "
+                               "the forward pass")
         self.loads = LOADS[self.load_mode](BlockReader(**reader, pool=self.load_pool))
         self.saves = Saves(**parts, pool=self.save_pool, share_failures=self._share_failures,
                            layerwise=self.save_layerwise)
