@@ -310,6 +310,45 @@ def test_a_layer_gather_no_save_takes_gives_its_rows_back(store, device, monkeyp
     w.close()
 
 
+@pytest.mark.parametrize("fails_in", ["save_kv_layer", "wait_for_save"])
+def test_a_layer_copy_that_fails_never_fails_the_step_and_the_save_is_made_whole(tmp_path, monkeypatch,
+                                                                                   fails_in):
+    """A layer copy raises (in save_kv_layer, or for a layer copied in
+    wait_for_save): the hook returns normally, the step's blocks are
+    gathered whole after the forward pass and stored right, and every row
+    comes back."""
+    from ucm_connector.transfer import BlockTransfer
+
+    store = open_store(f"disk://{tmp_path}/store")
+    src = _caches(13)
+    w = _layerwise_worker(store, src, monkeypatch)
+    names = list(src)
+    copy_layer = BlockTransfer.gather_layer
+    failed = []
+
+    def fails_once(self, layer, block_ids, out):
+        if layer == 1 and not failed:
+            failed.append(layer)
+            raise RuntimeError("copy failed")
+        return copy_layer(self, layer, block_ids, out)
+
+    monkeypatch.setattr(BlockTransfer, "gather_layer", fails_once)
+    keys = _keys(3)
+    plans = [BlockPlan("r", [0, 1, 2], keys)]
+    w.begin_step(64, [], [], saves=plans)
+    for name in names if fails_in == "save_kv_layer" else names[:1]:
+        w.save_layer(name)
+    assert bool(failed) == (fails_in == "save_kv_layer")
+    w.save(plans)
+    assert failed
+    assert w.flush(10)
+    assert [bytes(v)[blockfmt.HEADER_NBYTES:] for v in store.get(keys)] == _pages(src, [0, 1, 2])
+    assert w.stats.totals()["layerwise_saved_blocks"] == 0
+    assert _all_rows_free(w)
+    w.close()
+    store.close()
+
+
 def test_the_worker_side_imports_without_vllm():
     """The worker's modules run where vLLM cannot (a GPU check machine)."""
     import subprocess

@@ -116,6 +116,12 @@ class LayerGather:
         if self._finished is None:
             for layer in sorted(self._pending):
                 self._copy(layer)
+        return self.abort()
+
+    def abort(self) -> Transfer:
+        """Copy nothing more: what was issued so far, for giving the rows
+        back (``finish`` returns it from now on)."""
+        if self._finished is None:
             self._pending.clear()
             if not self._cuda or not self.block_ids:
                 self._finished = Transfer()

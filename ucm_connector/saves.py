@@ -125,9 +125,10 @@ class Saves(BlockIO):
             return
         try:
             gather = self.transfer.layer_gather(block_ids, rows)
-        except BaseException:
+        except Exception as exc:
             rows.release()
-            raise
+            self._copy_failed(exc)
+            return
         starts, at = {}, 0
         for plan in plans:
             starts[id(plan)] = (plan, at)
@@ -135,17 +136,28 @@ class Saves(BlockIO):
         self._layered = (starts, gather)
 
     def layer_done(self, layer: int) -> None:
-        """``save_kv_layer``: layer ``layer``'s KV of the step is written."""
+        """``save_kv_layer``: layer ``layer``'s KV of the step is written.
+        A copy that fails never fails the forward pass: the step's blocks
+        are then gathered whole in ``wait_for_save``."""
         if self._layered is not None:
-            self._layered[1].layer(layer)
+            try:
+                self._layered[1].layer(layer)
+            except Exception as exc:
+                self._abandon()
+                self._copy_failed(exc)
+
+    def _copy_failed(self, exc: Exception) -> None:
+        if self.report.first("layerwise save copy"):
+            logger.warning("ucm-connector: a layer-by-layer save copy failed (%s); such steps are saved "
+                           "after the forward pass instead (logged once)", exc)
 
     def _abandon(self) -> None:
-        """Drop a layer gather that no save took (its rows come back once
-        its copy is done)."""
+        """Drop a layer gather that no save took: it copies nothing more,
+        and its rows come back once what it issued is done."""
         if self._layered is not None:
             gather = self._layered[1]
             self._layered = None
-            gather.rows.release(after=gather.finish())
+            gather.rows.release(after=gather.abort())
 
     # -- the save --------------------------------------------------------------
 
@@ -182,11 +194,12 @@ class Saves(BlockIO):
         skipped = len(keys) - len(todo)
         if layered is not None:
             self._layered = None
-            self._save_gathered(plans, layered, keys, todo, overwrite)
-            if skipped:
-                self.stats.add(skipped_saves=skipped)
-            self.stats.add(save_seconds=time.perf_counter() - t0)
-            return
+            if self._save_gathered(plans, layered, keys, todo, overwrite):
+                if skipped:
+                    self.stats.add(skipped_saves=skipped)
+                self.stats.add(save_seconds=time.perf_counter() - t0)
+                return
+            # The layer gather failed: the blocks are gathered whole below.
         # Parts of about SAVE_PART_NBYTES: the writer puts one while the
         # next is gathered (benchmarks/RESULTS.md).
         step = min(self.pool.capacity, max(1, SAVE_PART_NBYTES // self.payload_nbytes))
@@ -212,19 +225,27 @@ class Saves(BlockIO):
         self.stats.add(save_seconds=time.perf_counter() - t0)
 
     def _save_gathered(self, plans: list[BlockPlan], layered: "_Layered",
-                       keys: list[bytes], todo: list[int], overwrite: list[bool]) -> None:
+                       keys: list[bytes], todo: list[int], overwrite: list[bool]) -> bool:
         """Hand the writer the rows of a layer gather that hold blocks to
-        save (``todo``, indices into the kept ``plans``' blocks)."""
+        save (``todo``, indices into the kept ``plans``' blocks); False if
+        the gather failed (its rows given back)."""
         starts, gather = layered
         row_of = [starts[id(plan)][1] + j for plan in plans for j in range(len(plan.block_ids))]
-        if gather.layers_left == 0:
+        whole_in_forward = gather.layers_left == 0
+        try:
+            copy = gather.finish()
+        except Exception as exc:
+            gather.rows.release(after=gather.abort())
+            self._copy_failed(exc)
+            return False
+        if whole_in_forward:
             self.stats.add(layerwise_saved_blocks=len(todo))
-        copy = gather.finish()
         if not todo:
             gather.rows.release(after=copy)
-            return
+            return True
         self._writer.put(([keys[i] for i in todo], gather.rows, copy, [keys[i] for i in todo if overwrite[i]],
                           [row_of[i] for i in todo]))
+        return True
 
     def _write(self, job: tuple[list[bytes], HostRows, Transfer, list[bytes], list[int] | None]) -> None:
         keys, rows, copy, replace, picks = job
