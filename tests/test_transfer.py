@@ -387,6 +387,43 @@ def test_a_layer_scatter_writes_what_a_whole_scatter_does(build, page_by_page, d
     whole_rows.release()
 
 
+@pytest.mark.parametrize("build", list(_layered_cases()))
+def test_the_cuda_layer_copies_index_arithmetic_on_cpu_tensors(build):
+    """What the CUDA layer copies do, with torch's index kernels on CPU
+    tensors and each pitched DMA replaced by a numpy copy of the same
+    pitches: a layer's pages of the blocks land in their payload columns
+    (gather), and rows picked out of a slot land in the right pages
+    (scatter, with a row that failed its check skipped)."""
+    from ucm_connector.layer_copies import slot_pages
+
+    src = build("cpu")
+    transfer = BlockTransfer(src, num_blocks=10)
+    blocks = [7, 0, 3, 9]
+    want = _gather(BlockTransfer(src, num_blocks=10, page_by_page=True), blocks)
+    payload = np.zeros((len(blocks), transfer.payload_nbytes), dtype=np.uint8)
+    ids = torch.tensor(blocks)
+    for layer in range(transfer.num_layers):
+        segment = transfer.layer_segment(layer)
+        slot = torch.zeros(len(blocks) * segment.nbytes, dtype=torch.uint8)
+        torch.index_select(transfer.layer_source(layer, segment.align), 0, ids,
+                           out=slot_pages(slot, len(blocks), segment, segment.align))
+        payload[:, segment.offset:segment.offset + segment.nbytes] = slot.numpy().reshape(len(blocks), -1)
+    assert np.array_equal(payload, want)
+
+    dst, expected = build("cpu"), build("cpu")
+    BlockTransfer(expected, num_blocks=10).scatter([1, 5, 2], want, row_ids=[0, 2, 3])
+    into = BlockTransfer(dst, num_blocks=10)
+    picks, targets = torch.tensor([0, 2, 3]), torch.tensor([1, 5, 2])
+    for layer in range(into.num_layers):
+        segment = into.layer_segment(layer)
+        slot = torch.zeros(len(blocks) * segment.nbytes, dtype=torch.uint8)
+        slot.numpy().reshape(len(blocks), -1)[:] = want[:, segment.offset:segment.offset + segment.nbytes]
+        rows = slot_pages(slot, len(blocks), segment, segment.align).index_select(0, picks)
+        into.layer_source(layer, segment.align).index_copy_(0, targets, rows)
+    for name in dst:
+        assert _bytes(dst[name]) == _bytes(expected[name]), name
+
+
 def test_a_layer_gather_sees_what_each_layer_held_when_it_was_told():
     """CPU: a layer is copied when told of; pages written after that are
     not in the rows (the forward pass has moved on to later layers)."""

@@ -65,10 +65,11 @@ class LayerStaging:
         return self._slot
 
 
-def _shaped(slot: torch.Tensor, rows: int, segment, word: int) -> torch.Tensor:
-    """The first ``rows`` pages of a layer in ``slot``, shaped like the
-    layer's view of the cache: ``[rows, *page dims]`` of ``word``-byte
-    elements."""
+def slot_pages(slot: torch.Tensor, rows: int, segment, word: int) -> torch.Tensor:
+    """The first ``rows`` pages of a layer (``segment``) in ``slot``, a
+    contiguous uint8 buffer, shaped like ``BlockTransfer.layer_source``:
+    ``[rows, *page dims]`` of ``word``-byte elements.  Row i's bytes are
+    the layer's columns of block i's payload, in order."""
     sizes = segment.inner_sizes[:-1] + [segment.inner_sizes[-1] // word]
     return slot[:rows * segment.nbytes].view(WORDS[word]).view(rows, *sizes)
 
@@ -146,7 +147,7 @@ class LayerGather:
             staging.stream.wait_stream(compute)
             with torch.cuda.stream(staging.stream):
                 torch.index_select(transfer.layer_source(layer, segment.align), 0, self._ids,
-                                   out=_shaped(slot, n, segment, segment.align))
+                                   out=slot_pages(slot, n, segment, segment.align))
                 self._pages_read.record(staging.stream)
             cudart.copy_2d_async(self._rows.tensor.data_ptr() + pool.payload_offset + segment.offset,
                                  pool.row_nbytes, slot.data_ptr(), segment.nbytes, segment.nbytes, n,
@@ -207,7 +208,7 @@ class LayerScatter:
                                  pool.row_nbytes, segment.nbytes, self._span, cudart.HOST_TO_DEVICE,
                                  staging.stream.cuda_stream)
             with torch.cuda.stream(staging.stream):
-                src = _shaped(slot, self._span, segment, segment.align)
+                src = slot_pages(slot, self._span, segment, segment.align)
                 if self._picks is not None:
                     src = src.index_select(0, self._picks)
                 transfer.layer_source(layer, segment.align).index_copy_(0, self._ids, src)

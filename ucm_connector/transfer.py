@@ -122,6 +122,7 @@ class BlockTransfer:
         self._segments = segment_layers(self.layers, self._offsets, merge_layers)
         self._layer_segments = segment_layers(self.layers, self._offsets, merge=False)
         self._cuda = self.device.type == "cuda"
+        self._layer_views: dict[tuple[int, int], torch.Tensor] = {}
         if self._cuda:
             slot_nbytes = round_up(max(staging_nbytes // slots, 1), 256)
             self._gather_ring = StagingRing(self.device, slot_nbytes, slots)
@@ -130,7 +131,6 @@ class BlockTransfer:
             self._own_pool: RowPool | None = None
             self._own_pool_lock = threading.Lock()
             self._layer_staging: dict[str, LayerStaging] = {}
-            self._layer_views: dict[tuple[int, int], torch.Tensor] = {}
         else:
             # uint8 numpy views of each layer's pages: [num_blocks, *dims].
             # Layer by layer even where one view could cover all layers: a
@@ -297,7 +297,8 @@ class BlockTransfer:
 
     def layer_source(self, layer: int, word: int) -> torch.Tensor:
         """One layer's pages as ``[num_blocks, *page dims]`` of ``word``-byte
-        elements (CUDA; built once)."""
+        elements, a strided view of the cache (built once; the CUDA layer
+        copies index it)."""
         view = self._layer_views.get((layer, word))
         if view is None:
             view = self._layer_views[(layer, word)] = self._layer_segments[layer].view(self.num_blocks, word)
