@@ -159,7 +159,7 @@ class LayerScatter:
     i) into the pages of ``block_ids[i]``, a layer at a time: ``layer(i)``
     issues layer i (on CPU: copies it), ``order(i)`` makes a stream wait for
     it (CUDA), ``finish()`` issues what is left and returns the whole copy,
-    after which the rows may be given back.  ``after``: the stream whose
+    after which the rows may be given back (``abort()``: issue no more).  ``after``: the stream whose
     queued kernels come first (CUDA; default, the caller's current one).
     Made by ``BlockTransfer.layer_scatter``."""
 
@@ -224,12 +224,19 @@ class LayerScatter:
             if event is not None:
                 (stream or torch.cuda.current_stream(self._transfer.device)).wait_event(event)
 
-    def finish(self, issue_rest: bool = True) -> Transfer:
-        """Issue every layer not issued yet (``issue_rest=False``: none);
-        the whole copy (``wait()``: the rows may be reused)."""
+    def finish(self) -> Transfer:
+        """Issue every layer not issued yet; the whole copy (``wait()``:
+        the rows may be reused)."""
         if self._finished is None:
-            for layer in sorted(self._pending) if issue_rest else []:
+            for layer in sorted(self._pending):
                 self.layer(layer)
+        return self.abort()
+
+    def abort(self) -> Transfer:
+        """Issue nothing more: what was issued so far, for giving the rows
+        back (``finish`` returns it from now on)."""
+        if self._finished is None:
+            self._pending.clear()
             if not self._cuda or not self.block_ids:
                 self._finished = Transfer()
             else:

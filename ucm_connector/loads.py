@@ -186,7 +186,7 @@ class LayerLoads:
                     # Each chunk's rows come back once what was issued from
                     # them is done (after a failure, nothing more is issued).
                     for k, chunk in enumerate(chunks):
-                        chunk.rows.release(after=made[k].finish(issue_rest=False) if k in made else None)
+                        chunk.rows.release(after=made[k].abort() if k in made else None)
         except Exception as exc:  # every block of the job counts as failed
             self.reader.report.failed("block load", exc)
             job.bad_block_ids = {b for plan in job.plans for b in plan.block_ids}

@@ -110,8 +110,8 @@ class BlockReader(BlockIO):
                 found = self._read(chunk_keys, rows.rows)
                 # The payloads' checksums, on several threads.
                 lo, hi = blockfmt.HEADER_NBYTES, blockfmt.HEADER_NBYTES + self.payload_nbytes
-                sums = dict(zip([i for i, ok in enumerate(found) if ok],
-                                checksums([rows.rows[i, lo:hi] for i, ok in enumerate(found) if ok])))
+                found_at = [i for i, ok in enumerate(found) if ok]
+                sums = dict(zip(found_at, checksums([rows.rows[i, lo:hi] for i in found_at])))
                 good, chunk_bad_keys = self._check(
                     chunk_keys, found,
                     lambda i: blockfmt.verify(rows.rows[i], self.namespace_digest, self.payload_nbytes,
