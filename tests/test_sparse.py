@@ -337,6 +337,10 @@ def test_options_are_checked_together():
     with pytest.raises(SparseConfigError, match="dense_below: expected a number of tokens >= 0"):
         validate({"method": "block_topk", "dense_below": "8k"})
     assert validate({"method": "block_topk", "dense_below": 16384})["dense_below"] == 16384
+    for bad in (0, 1.5, "2", True):
+        with pytest.raises(SparseConfigError, match=r"reselect_every: expected a number of decode steps >= 1, got"):
+            validate({"method": "block_topk", "reselect_every": bad})
+    assert validate({"method": "block_topk", "reselect_every": 4})["reselect_every"] == 4
 
 
 def test_a_third_party_method_is_found_by_name():

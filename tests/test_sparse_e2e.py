@@ -9,7 +9,8 @@ Engines (started once per module, one at a time):
 
 * ``main``: dense, then ``test_all_blocks`` (every block, through the swap
   path), ``block_topk`` with a budget that covers everything, ``block_topk``
-  with a 3-block budget, then ``patches.revert()``.  Three prompts in one
+  with a 3-block budget, the same reused every other step
+  (``reselect_every``), then ``patches.revert()``.  Three prompts in one
   batch: 1,500 and 1,100 tokens (chunked prefill at 256 tokens a step, so
   decode rows share steps with prefill chunks) and 200 tokens (shorter than
   any budget).
@@ -92,6 +93,8 @@ def main_run():
         _gen("topk_everything", prompts),
         {"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3}},
         _gen("topk_3", prompts),
+        {"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3, "reselect_every": 2}},
+        _gen("topk_3_reused", prompts),
         {"op": "sparse", "config": None, "name": "revert"},
         _gen("reverted", prompts),
     ]
@@ -127,6 +130,17 @@ def test_a_small_budget_reads_fewer_blocks_and_changes_long_outputs(main_run):
     assert sparse["method"]["blocks_read"] == sparse["kernel"]["blocks"]
     assert sparse["outputs"][0] != dense["outputs"][0]
     assert sparse["outputs"][1] != dense["outputs"][1]
+
+
+def test_a_choice_reused_every_other_step_is_what_the_kernel_reads(main_run):
+    dense, reused = main_run["dense"], main_run["topk_3_reused"]
+    method = reused["method"]
+    assert reused["kernel"]["calls"] == dense["kernel"]["calls"]
+    # Rows that reuse a choice read its 3 blocks, and a fourth when they
+    # started one; the method counts what the kernel was handed.
+    assert method["rows_reused"] > 0
+    assert method["blocks_read"] == reused["kernel"]["blocks"] < dense["kernel"]["blocks"] / 2
+    assert reused["outputs"][2] == dense["outputs"][2]
 
 
 def test_a_request_shorter_than_the_budget_stays_dense(main_run):

@@ -115,12 +115,14 @@ class Requests:
         return self._batch(layer, step, parts, self.lens, range(len(self.lens)))
 
     def start(self, method: BlockTopK, layers=("layers.0",)) -> None:
-        """Requests start (nothing cached) and their earlier tokens go by."""
+        """Requests start (nothing cached) and their earlier tokens go by, in
+        one step whose layers share vLLM's tensors."""
         method.begin_step(StepInfo(self.block_size, started=tuple(
             RequestStart(r, tuple(t), 0) for r, t in zip(self.req_ids, self.tables)),
             scheduled_req_ids=frozenset(self.req_ids)))
+        history = self.history(layers[0], step=1)
         for layer in layers:
-            method.before_attention(self.history(layer, step=1))
+            method.before_attention(dataclasses.replace(history, layer_name=layer))
         method.begin_step(StepInfo(self.block_size, scheduled_req_ids=frozenset(self.req_ids)))
 
 
@@ -360,22 +362,51 @@ def test_a_decode_layer_call_on_cpu_dispatches_no_host_synchronising_op():
     assert selection.seq_lens.tolist() == _thinned_lens(reqs.lens, 16, 0.25)
 
 
+# A later layer's call that reuses the step before's choice (reselect_every):
+# the fold of the new keys and a copy of the choice, no scoring (counted here: 54).
+REUSED_LAYER_OPS = 60
+
+
+def test_a_decode_layer_call_that_reuses_a_choice_on_cpu_dispatches_no_host_synchronising_op():
+    reqs = _llama_step("cpu")
+    method = _method({"keep_ratio": 0.25, "reselect_every": 2}, "torch")
+    reqs.start(method, layers=("layers.0", "layers.1"))
+    step = reqs.step("layers.0", step=2)
+    for step_index in (2, 3, 4):                         # reuses the prefill's choice, scores, reuses
+        method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+        step.step = step_index
+        method.before_attention(dataclasses.replace(step, layer_name="layers.0"))
+        later = OpLog()
+        with later:
+            selection = method.before_attention(dataclasses.replace(step, layer_name="layers.1"))
+    print(f"ops: later layer reusing a choice {len(later.ops)}")
+    assert later.syncing == [] and "bmm" not in later.ops
+    assert len(later.ops) <= REUSED_LAYER_OPS, sorted(later.ops)
+    assert selection.seq_lens.tolist() == _thinned_lens(reqs.lens, 16, 0.25)
+    assert method.stats().rows_reused == 2 * 8
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernels", _kernels("cuda"))
-def test_a_decode_layer_call_on_cuda_never_synchronises(kernels):
+@pytest.mark.parametrize("reselect_every", [1, 2])
+def test_a_decode_layer_call_on_cuda_never_synchronises(kernels, reselect_every):
     reqs = _llama_step("cuda")
-    method = _method({"keep_ratio": 0.25}, kernels)
+    method = _method({"keep_ratio": 0.25, "reselect_every": reselect_every}, kernels)
     reqs.start(method, layers=("layers.0", "layers.1"))
     step = reqs.step("layers.0", step=2)
     batches = [step, dataclasses.replace(step, layer_name="layers.1")]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for batch in batches:
-            selection = method.before_attention(batch)
+        for step_index in (2, 3, 4):               # with reselect_every 2, steps that score and that reuse
+            method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+            for batch in batches:
+                batch.step = step_index
+                selection = method.before_attention(batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert selection.seq_lens.tolist() == _thinned_lens(reqs.lens, 16, 0.25)
+    assert (method.stats().rows_reused > 0) == (reselect_every > 1)
 
 
 # -- dense below the crossover ---------------------------------------------------------------
@@ -560,3 +591,156 @@ def test_requests_running_before_the_method_started_are_checked_until_they_finis
     with log:
         fresh.before_attention(batch)
     assert log.syncing == []
+
+
+# -- a choice reused over decode steps (reselect_every) ----------------------------------------
+
+def _chosen(table: torch.Tensor, row: int, count: int) -> list[int]:
+    return table[row, :count].tolist()
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_a_reused_choice_reads_the_blocks_of_the_step_before_and_a_new_last_block(device, kernels):
+    # Row 0 has 960 tokens at step 3 (60 full blocks) and starts block 61 at
+    # step 4; the others stay inside their last block.
+    reqs = Requests(device, [962, 600, 1200], [4, 4, 4], seed=3)
+    reusing = _method({"keep_ratio": 0.25, "reselect_every": 2}, kernels)
+    scoring = _method({"keep_ratio": 0.25}, kernels)
+    for m in (reusing, scoring):
+        reqs.start(m)                       # step 1: the prefill, which thins no row
+    info = StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids))
+    backs = {2: 3, 3: 2, 4: 1, 5: 0}
+    steps, ages = {}, {}
+    for step, back in backs.items():
+        batch = _decode(reqs, "layers.0", step, back)
+        for m in (reusing, scoring):
+            m.begin_step(info)
+        log = OpLog()
+        with log:
+            reused = reusing.before_attention(batch)
+        scored = scoring.before_attention(dataclasses.replace(batch))
+        assert log.syncing == []
+        steps[step] = (log, reused.block_table.clone(), reused.seq_lens.clone(),
+                       scored.block_table.clone(), scored.seq_lens.clone())
+        # Steps a choice has served since it was scored (0: scored at this step).
+        ages[step] = reusing._kept._choices["layers.0"].age
+    lens = {step: [n - back for n in reqs.lens] for step, back in backs.items()}
+    blocks = {step: [_cdiv(n, 16) for n in lens[step]] for step in lens}
+    assert blocks[3][0] == 60 and blocks[4][0] == 61 and blocks[4][1:] == blocks[3][1:]
+    # Step 2 reuses the prefill's choice, which thinned no row: all are read whole.
+    assert ages == {2: 1, 3: 0, 4: 1, 5: 0}
+    log, _, lens2, _, _ = steps[2]
+    assert lens2.tolist() == lens[2]
+    # Steps 3 and 5 score, and choose what a method that always scores
+    # chooses: the summaries kept up at the steps in between.
+    for step in (3, 5):
+        log, table, seq_lens, scored, scored_lens = steps[step]
+        assert torch.equal(seq_lens, scored_lens)
+        for row, n in enumerate(blocks[step]):
+            k = math.ceil(n * 0.25)
+            assert _chosen(table, row, k) == scored[row, :k].tolist()
+    # Step 4 scores nothing: each row reads what it read at step 3, row 0
+    # its new block too.
+    keep3 = [math.ceil(n * 0.25) for n in blocks[3]]
+    log4, table4, lens4, _, _ = steps[4]
+    if kernels == "torch":
+        assert "bmm" not in log4.ops and "topk" not in log4.ops and "bmm" in steps[3][0].ops
+    for row, k in enumerate(keep3):
+        expected = _chosen(steps[3][1], row, k)
+        if row == 0:
+            expected.append(reqs.tables[0][60])
+        assert _chosen(table4, row, len(expected)) == expected
+        assert int(lens4[row]) == (len(expected) - 1) * 16 + lens[4][row] - (blocks[4][row] - 1) * 16
+    stats = reusing.stats()
+    assert (stats.sparse_rows, stats.rows_reused) == (9, 3)
+    keep5 = [math.ceil(n * 0.25) for n in blocks[5]]
+    assert stats.blocks_read == sum(lens_blocks for lens_blocks in blocks[2]) + 2 * sum(keep3) + 1 + sum(keep5)
+    assert scoring.stats().rows_reused == 0
+
+
+def _swapped(reqs: Requests, order: list[int]) -> Requests:
+    """The same requests in another row order (vLLM moves rows when others finish)."""
+    other = Requests.__new__(Requests)
+    other.__dict__.update(reqs.__dict__)
+    for name in ("lens", "q_lens", "req_ids", "tables", "keys", "queries"):
+        setattr(other, name, [getattr(reqs, name)[i] for i in order])
+    other.table = reqs.table[order]
+    return other
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_rows_that_hold_another_request_than_at_the_step_before_are_read_whole_at_a_reused_step(device, kernels):
+    # Rows 0 and 1 have as many blocks as each other: only their block ids tell them apart.
+    reqs = Requests(device, [1000, 1003, 1200], [5, 5, 5], seed=5)
+    method = _method({"keep_ratio": 0.25, "reselect_every": 2}, kernels)
+    reqs.start(method)
+    info = StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids))
+    method.begin_step(info)
+    method.before_attention(_decode(reqs, "layers.0", 2, 4))    # reuses the prefill's choice
+    method.begin_step(info)
+    first = method.before_attention(_decode(reqs, "layers.0", 3, 3))
+    kept = [_chosen(first.block_table, 2, math.ceil(_cdiv(1197, 16) * 0.25))]
+    # Rows 0 and 1 trade places; row 2 stays.
+    moved = _swapped(reqs, [1, 0, 2])
+    method.begin_step(info)
+    batch = _decode(moved, "layers.0", 4, 2)
+    log = OpLog()
+    with log:
+        selection = method.before_attention(batch)
+    assert log.syncing == [] and method._kept._choices["layers.0"].age == 1
+    assert selection.seq_lens.tolist()[:2] == [1001, 998]                 # read whole
+    assert torch.equal(selection.block_table[:2], batch.block_table[:2])
+    assert selection.block_table[2, :len(kept[0])].tolist() == kept[0]   # reused
+    assert method.stats().rows_reused == 1
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_a_row_read_whole_at_a_reused_step_reads_its_own_table_whatever_an_earlier_layer_wrote(device, kernels):
+    reqs = Requests(device, [1000, 1200], [4, 4], seed=2)
+    method = _method({"keep_ratio": 0.25, "reselect_every": 2}, kernels)
+    layers = ("layers.0", "layers.1")
+    reqs.start(method, layers)
+    info = StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids))
+    for step, back in ((2, 3), (3, 2)):                  # step 2 reuses the prefill's choice, step 3 scores
+        method.begin_step(info)
+        batch = _decode(reqs, "layers.0", step, back)
+        for name in layers:
+            method.before_attention(dataclasses.replace(batch, layer_name=name))
+    # Layer 1's choice no longer holds row 0 (as if it had not thinned it),
+    # and is narrower than layer 0's (as if a step apart in their cycles).
+    choice = method._kept._choices["layers.1"]
+    choice.thin = choice.thin.clone()
+    choice.thin[0] = False
+    choice.positions = choice.positions[:, :17].contiguous()
+    method.begin_step(info)
+    batch = _decode(reqs, "layers.0", 4, 1)
+    first = method.before_attention(dataclasses.replace(batch, layer_name="layers.0"))
+    assert int(first.seq_lens[0]) < 999 // 2                  # layer 0 reads its choice for row 0 ...
+    second = method.before_attention(dataclasses.replace(batch, layer_name="layers.1"))
+    n = _cdiv(999, 16)
+    assert int(second.seq_lens[0]) == 999                     # ... layer 1 reads row 0 whole, its own blocks
+    assert second.block_table[0, :n].tolist() == reqs.tables[0][:n]
+    assert int(second.seq_lens[1]) < 1199 // 2
+
+
+@pytest.mark.skipif(len(PATHS) == len(DEVICES), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
+def test_the_kernels_keep_the_choice_the_torch_path_keeps():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reqs = Requests(device, [963, 600, 1200, 100], [4, 4, 4, 4], seed=3)
+    kept = {}
+    for kernels in ("torch", "triton"):
+        method = _method({"keep_ratio": 0.25, "reselect_every": 2}, kernels)
+        reqs.start(method)
+        info = StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids))
+        method.begin_step(info)
+        method.before_attention(_decode(reqs, "layers.0", 2, 3))      # reuses the prefill's choice
+        method.begin_step(info)
+        method.before_attention(_decode(reqs, "layers.0", 3, 2))      # scores
+        kept[kernels] = method._kept._choices["layers.0"]
+    torch_choice, kernel_choice = kept["torch"], kept["triton"]
+    # Row 3 (100 tokens, 7 blocks: a budget of 2) is thinned too.
+    assert kernel_choice.thin.tolist() == torch_choice.thin.tolist() == [True, True, True, True]
+    for name in ("count", "num_blocks", "last_ids"):
+        assert getattr(kernel_choice, name).tolist() == getattr(torch_choice, name).tolist(), name
+    for row, k in enumerate(torch_choice.count.tolist()):
+        assert kernel_choice.positions[row, :k].tolist() == torch_choice.positions[row, :k].tolist()

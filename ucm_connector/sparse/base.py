@@ -159,6 +159,7 @@ class SparseStats:
     blocks_summarized_from_pages: int = 0   # (block, layer) summaries read back from the cache
     blocks_probed_unchanged: int = 0        # (block, layer) refilled with the same keys: kept
     blocks_kept_unsummarized: int = 0       # (block, layer) kept because no summary could be made
+    rows_reused: int = 0            # sparse (row, layer) pairs that read an earlier step's choice of blocks
 
     @property
     def read_fraction(self) -> float:

@@ -32,7 +32,13 @@ Options (``"sparse": {"method": "block_topk", ...}``):
   ``DENSE_BELOW_DEFAULT``): a layer call whose longest row is shorter stays
   dense as a whole and costs nothing: it neither scores nor folds its keys;
   the first call at or above the threshold rebuilds the summaries of the
-  blocks its rows read from their pages (one read of those keys per layer).
+  blocks its rows read from their pages (one read of those keys per layer);
+* ``reselect_every`` (default 1): a layer scores its blocks at one decode
+  step in this many; at the steps in between it scores nothing and each row
+  reads the blocks it read at the step before, plus its new last block when
+  it has started one (``topk_reuse``).  A row that was not thinned at the
+  step before (it joined, or moved in the batch) is read whole at such a
+  step.
 
 A request whose budget covers all its blocks reads them all (no sparsity):
 short requests are exactly dense.  Prefill and chunked-prefill rows (more
@@ -45,7 +51,9 @@ thinned are put back with ``where`` instead of being filtered out, and
 counters stay on the device until ``stats()`` is read.  On CUDA with Triton
 a decode layer call is two kernels (``triton_select.py``): score every block
 through the block table while folding the new keys into the summaries, then
-soft-max / top-k / order / write the selection per row.  The torch path
+soft-max / top-k / order / write the selection per row; a call that
+reuses a choice (``reselect_every``) is two kernels too: the fold, then one
+program per row that copies the choice.  The torch path
 (``torch_select.py``: CPU, or CUDA without Triton) computes the same
 selection with a few dozen ops, also without waiting.  Only two rare
 situations wait: the steps after the method starts while requests are
@@ -56,7 +64,8 @@ This module owns the method itself: the order of a layer call's work, which
 path selects, and the counters.  The pieces: ``topk_options`` (the options
 and the budget), ``topk_plan`` (what a step's layers share), ``summaries``
 and ``summary_keeper`` (the key summaries and how current they are),
-``torch_select`` and ``triton_select`` (the selection).
+``torch_select`` and ``triton_select`` (the selection), ``topk_reuse`` (a
+choice reused over steps).
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ from .summaries import LayerSummaries, to_device
 from .summary_keeper import SummaryKeeper
 from .topk_options import DENSE_BELOW_DEFAULT, BlockTopKOptions
 from .topk_plan import STATS, StepPlan, step_key
+from .topk_reuse import KeptChoices
 
 __all__ = ["DENSE_BELOW_DEFAULT", "BlockTopK", "BlockTopKOptions"]
 
@@ -91,6 +101,7 @@ class BlockTopK(SparseMethod):
         self._totals: torch.Tensor | None = None
         self._host_stats = SparseStats()
         self._keep_tables: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._kept = KeptChoices(options.reselect_every)
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any]) -> "BlockTopK":
@@ -130,10 +141,12 @@ class BlockTopK(SparseMethod):
             return plan
         self._flush_plan()
         plan = self._plan = StepPlan.make(key, batch, self.options, self._thin_from)
+        self._kept.new_step()
         return plan
 
     def _flush_plan(self) -> None:
         """Add the counts of the plan's calls counted on the host."""
+        self._kept.flush(self._totals)
         plan = self._plan
         if plan is not None and plan.uncounted_calls and plan.call_increment is not None:
             # The counters are made during vLLM's forward, as inference
@@ -174,9 +187,10 @@ class BlockTopK(SparseMethod):
         if layer.behind and not plan.dense and batch.pages is not None:
             keeper.catch_up(layer, batch, plan, epochs)
             has_keys = False                   # the pages already hold this call's keys
+        reuse = not plan.dense and not checking and self._kept.reusable(batch.layer_name)
         # A decode-only call on the Triton path folds its keys in the scoring
         # kernel (one launch fewer); otherwise the keys are folded first.
-        fused = triton and plan.decode_only and not plan.dense and not checking and has_keys
+        fused = triton and plan.decode_only and not plan.dense and not checking and has_keys and not reuse
         if has_keys and not fused:
             if triton and plan.decode_only:
                 triton_select.fold_decode(layer, batch.key, batch.slot_mapping, epochs, batch.pages)
@@ -185,19 +199,29 @@ class BlockTopK(SparseMethod):
         if plan.dense:
             plan.count_call(batch)
             return None
+        if reuse:
+            kernel = (self._keep_table(plan.width, device), totals) if triton else None
+            return self._kept.reuse(batch.layer_name, batch, plan, kernel)
         unsummarized = keeper.refresh_stale(layer, batch, plan, epochs, self._host_stats) if checking else None
         if triton and unsummarized is None:
             return self._select_triton(layer, batch, plan, (epochs,) if fused else None)
-        return torch_select.select(layer, batch, plan, self.options.score, unsummarized, totals)
+        selection, positions = torch_select.select(layer, batch, plan, self.options.score, unsummarized, totals)
+        if unsummarized is None:
+            self._kept.record(batch.layer_name, batch, plan, positions)
+        return selection
 
     def _select_triton(self, layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan,
                        fold: tuple | None) -> BlockSelection:
         table, seq_lens = plan.outputs(batch)
+        choice = self._kept.buffers(plan.num_rows, plan.keep_max, batch.query.device)
         triton_select.score_and_select(
             layer, batch, width=plan.width, keep=self._keep_table(plan.width, batch.query.device),
             sink_blocks=self.options.sink_blocks, local_blocks=self.options.local_blocks,
             bound=self.options.score == "bound", query_in_order=plan.decode_only,
-            out_table=table, out_seq_lens=seq_lens, totals=self._totals, logits=plan.logits(batch), fold=fold)
+            out_table=table, out_seq_lens=seq_lens, totals=self._totals, logits=plan.logits(batch), fold=fold,
+            choice=choice)
+        if choice is not None:
+            self._kept.keep(batch.layer_name, choice)
         return BlockSelection(block_table=table, seq_lens=seq_lens)
 
     def _keep_table(self, width: int, device: torch.device) -> torch.Tensor:

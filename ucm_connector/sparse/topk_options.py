@@ -49,6 +49,7 @@ class BlockTopKOptions:
     parts: int = 1                      # slices of a block scored apart (a power of two)
     min_blocks: int = 0                 # requests with fewer blocks are read whole
     dense_below: int | None = None      # tokens; None: DENSE_BELOW_DEFAULT for the device
+    reselect_every: int = 1             # decode steps a layer's choice of blocks serves (1: every step chooses)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "BlockTopKOptions":
@@ -90,8 +91,13 @@ class BlockTopKOptions:
         if dense_below is not None and (not _is_int(dense_below) or dense_below < 0):
             raise SparseConfigError(
                 f"block_topk: dense_below: expected a number of tokens >= 0, got {dense_below!r}")
+        reselect_every = options.get("reselect_every", cls.reselect_every)
+        if not _is_int(reselect_every) or reselect_every < 1:
+            raise SparseConfigError(
+                f"block_topk: reselect_every: expected a number of decode steps >= 1, got {reselect_every!r}")
         return cls(keep_ratio=ratio, budget_blocks=budget, sink_blocks=sink_blocks, local_blocks=local_blocks,
-                   score=score, parts=parts, min_blocks=min_blocks, dense_below=dense_below)
+                   score=score, parts=parts, min_blocks=min_blocks, dense_below=dense_below,
+                   reselect_every=reselect_every)
 
     def budget(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """Blocks to read for requests of ``num_blocks`` blocks (elementwise)."""

@@ -24,7 +24,7 @@ from .topk_options import BlockTopKOptions
 
 # Order of the counters kept on the device (SparseStats' fields).
 STATS = ("layer_calls", "decode_rows", "sparse_rows", "blocks_read", "blocks_dense",
-         "blocks_summarized_from_pages", "blocks_probed_unchanged", "blocks_kept_unsummarized")
+         "blocks_summarized_from_pages", "blocks_probed_unchanged", "blocks_kept_unsummarized", "rows_reused")
 
 
 def step_key(batch: AttentionBatch) -> tuple | None:
@@ -172,7 +172,7 @@ class RowTensors:
 
     def stat_increment(self) -> torch.Tensor:
         """What one layer call adds to each counter of ``STATS``."""
-        return _increment(self.is_decode, self.num_blocks, self.num_blocks - self.keep, self.thin)
+        return increment(self.is_decode, self.num_blocks, self.num_blocks - self.keep, self.thin)
 
     def part_index(self, parts: int, num_kv_heads: int) -> torch.Tensor:
         """Rows of the [num_blocks * parts * H, D] slice sums, in (row, head,
@@ -200,14 +200,18 @@ class RowTensors:
         return self._slice_weights[key]
 
 
-def _increment(is_decode: torch.Tensor, num_blocks: torch.Tensor, dropped: torch.Tensor | None,
-               thin: torch.Tensor | None) -> torch.Tensor:
+def increment(is_decode: torch.Tensor, num_blocks: torch.Tensor, dropped: torch.Tensor | None,
+              thin: torch.Tensor | None, reused: bool = False) -> torch.Tensor:
+    """What a layer call adds to each counter of ``STATS``: ``thin`` rows
+    read ``num_blocks - dropped`` blocks (``reused``: an earlier step's
+    choice), the other decode rows all of theirs."""
     decode = is_decode.to(torch.int64)
     dense = (num_blocks * decode).sum()
     zero = torch.zeros((), dtype=torch.int64, device=decode.device)
     skipped = (dropped * thin).sum() if thin is not None else zero
-    return torch.stack((decode.amax() if decode.numel() else zero, decode.sum(),
-                        thin.sum() if thin is not None else zero, dense - skipped, dense, zero, zero, zero))
+    sparse = thin.sum() if thin is not None else zero
+    return torch.stack((decode.amax() if decode.numel() else zero, decode.sum(), sparse, dense - skipped, dense,
+                        zero, zero, zero, sparse if reused else zero))
 
 
 def dense_increment(batch: AttentionBatch) -> torch.Tensor:
@@ -217,4 +221,4 @@ def dense_increment(batch: AttentionBatch) -> torch.Tensor:
     qsl = batch.query_start_loc
     num_blocks = torch.div(batch.seq_lens.to(torch.int64) + batch.block_size - 1, batch.block_size,
                            rounding_mode="floor")
-    return _increment((qsl[1:num_rows + 1] - qsl[:num_rows]) == 1, num_blocks, None, None)
+    return increment((qsl[1:num_rows + 1] - qsl[:num_rows]) == 1, num_blocks, None, None)

@@ -24,9 +24,11 @@ _BLOCKS_READ = STATS.index("blocks_read")
 
 
 def select(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: str,
-           unsummarized: torch.Tensor | None, totals: torch.Tensor) -> BlockSelection:
-    """The selection of this layer call; ``unsummarized``: the (row,
-    position) entries without a summary, or None."""
+           unsummarized: torch.Tensor | None, totals: torch.Tensor) -> tuple[BlockSelection, torch.Tensor]:
+    """The selection of this layer call, and the positions it chose per
+    row, ascending, ``plan.width`` past a row's budget (``[rows, k]``);
+    ``unsummarized``: the (row, position) entries without a summary, or
+    None."""
     t = plan.tensors(batch)
     table, seq_lens = plan.outputs(batch)
     forced = t.forced if unsummarized is None else t.forced | unsummarized
@@ -46,12 +48,12 @@ def select(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: 
         totals[_BLOCKS_READ] += ((keep - t.keep) * t.thin).sum()
     top = block_scores.topk(k, dim=1).indices
     top = torch.where(in_budget, top, plan.width)
-    chosen = top.sort(dim=1).values.clamp_(max=plan.width - 1)
+    positions = top.sort(dim=1).values
     num_rows = plan.num_rows
-    blocks = t.table.gather(1, chosen).to(table.dtype)
+    blocks = t.table.gather(1, positions.clamp(max=plan.width - 1)).to(table.dtype)
     table[:num_rows, :k] = torch.where(t.thin.unsqueeze(1), blocks, batch.block_table[:num_rows, :k])
     plan.count_call(batch)
-    return BlockSelection(block_table=table, seq_lens=seq_lens)
+    return BlockSelection(block_table=table, seq_lens=seq_lens), positions
 
 
 def scores(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: str) -> torch.Tensor:

@@ -12,8 +12,10 @@ launches, none of which waits for the host or makes the host wait.
   window, finds the budget's worth of best positions with a bitwise search
   for the k-th score (no sort), writes their block ids in position order and
   the new length, and adds the row's counts to the device counters.
-* ``fold_decode``: the fold alone, for decode calls that select nothing or
-  that the torch path selects.
+* ``fold_decode``: the fold alone, for decode calls that select nothing, that
+  the torch path selects, or that reuse a choice;
+* ``reuse``: a choice of the step before, reused (``topk_reuse``), one
+  program per row.
 
 The math is ``torch_select.scores`` and ``torch_select.select``'s, step for step;
 only the floating-point order differs (blocks chosen can differ where two
@@ -214,30 +216,49 @@ if triton is not None:
         tl.store(out, logit, mask=(g[:, None] < G) & (j[None, :] < width))
 
     @triton.jit
-    def _select_kernel(logits_ptr, width, num_rows, qsl_ptr, seq_ptr, table_ptr, table_s0,
-                       keep_ptr, out_table_ptr, out_table_s0, out_seq_ptr, totals_ptr,
-                       BS: tl.constexpr, HQ: tl.constexpr, HB: tl.constexpr, WP: tl.constexpr,
-                       RP: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr):
-        r = tl.program_id(0)
+    def _row(r, qsl_ptr, seq_ptr, keep_ptr, BS: tl.constexpr, WP: tl.constexpr):
+        # Row r's facts: a decode row?, its tokens, blocks and budget, and
+        # whether it is thinned.
         qlen = tl.load(qsl_ptr + r + 1) - tl.load(qsl_ptr + r)
         seq = tl.load(seq_ptr + r).to(tl.int64)
         n = (seq + BS - 1) // BS
         keep = tl.load(keep_ptr + tl.minimum(n, WP)).to(tl.int64)
         decode = qlen == 1
-        thin = decode & (keep < n) & (seq > 0)
-        last_fill = seq - (n - 1) * BS
-        new_seq = tl.where(thin, (keep - 1) * BS + last_fill, seq)
-        tl.store(out_seq_ptr + r, new_seq.to(out_seq_ptr.dtype.element_ty))
-        # Counters, in topk_plan.STATS order.
+        return decode, seq, n, keep, decode & (keep < n) & (seq > 0)
+
+    @triton.jit
+    def _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, thin, read, n, RP: tl.constexpr):
+        # Counters, in topk_plan.STATS order: ``read`` blocks of a thinned
+        # row, all ``n`` of another decode row.
         tl.atomic_add(totals_ptr + 1, decode.to(tl.int64))
         tl.atomic_add(totals_ptr + 2, thin.to(tl.int64))
-        tl.atomic_add(totals_ptr + 3, tl.where(decode, tl.where(thin, keep, n), 0))
+        tl.atomic_add(totals_ptr + 3, tl.where(decode, tl.where(thin, read, n), 0))
         tl.atomic_add(totals_ptr + 4, tl.where(decode, n, 0))
         if r == 0:
             rr = tl.arange(0, RP)
             inside = rr < num_rows
             lens = tl.load(qsl_ptr + rr + 1, mask=inside, other=0) - tl.load(qsl_ptr + rr, mask=inside, other=0)
             tl.atomic_add(totals_ptr + 0, tl.max(((lens == 1) & inside).to(tl.int64), axis=0))
+
+    @triton.jit
+    def _select_kernel(logits_ptr, width, num_rows, qsl_ptr, seq_ptr, table_ptr, table_s0,
+                       keep_ptr, out_table_ptr, out_table_s0, out_seq_ptr, totals_ptr,
+                       choice_pos_ptr, choice_k, choice_count_ptr, choice_nb_ptr, choice_last_ptr, choice_thin_ptr,
+                       BS: tl.constexpr, HQ: tl.constexpr, HB: tl.constexpr, WP: tl.constexpr,
+                       RP: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr, CHOICE: tl.constexpr):
+        r = tl.program_id(0)
+        decode, seq, n, keep, thin = _row(r, qsl_ptr, seq_ptr, keep_ptr, BS, WP)
+        last_fill = seq - (n - 1) * BS
+        new_seq = tl.where(thin, (keep - 1) * BS + last_fill, seq)
+        tl.store(out_seq_ptr + r, new_seq.to(out_seq_ptr.dtype.element_ty))
+        if CHOICE:
+            # What a later step needs to reuse this choice (topk_reuse.Choice).
+            tl.store(choice_count_ptr + r, keep)
+            tl.store(choice_nb_ptr + r, n)
+            last = tl.minimum(tl.maximum(n - 1, 0), width - 1)
+            tl.store(choice_last_ptr + r, tl.load(table_ptr + r * table_s0 + last).to(tl.int64))
+            tl.store(choice_thin_ptr + r, thin.to(tl.int8))
+        _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, thin, keep, n, RP)
         if thin:
             j = tl.arange(0, WP)
             valid = j < n
@@ -274,9 +295,57 @@ if triton is not None:
             slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
             blocks = tl.load(table_ptr + r * table_s0 + j, mask=chosen, other=0)
             tl.store(out_table_ptr + r * out_table_s0 + slot, blocks, mask=chosen)
+            if CHOICE:
+                tl.store(choice_pos_ptr + r * choice_k + slot, j.to(tl.int64), mask=chosen)
 
 
 if triton is not None:
+    @triton.jit
+    def _reuse_kernel(pos_ptr, pos_s0, k_last, rows_last, count_ptr, nb_ptr, last_ids_ptr, thin_ptr,
+                      qsl_ptr, seq_ptr, table_ptr, table_s0, keep_ptr, width, num_rows,
+                      out_table_ptr, out_table_s0, out_seq_ptr,
+                      new_pos_ptr, k, new_count_ptr, new_nb_ptr, new_last_ids_ptr, new_thin_ptr, totals_ptr,
+                      BS: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr):
+        # One program per row: the row's choice at the step before, if it
+        # still describes the row (topk_reuse), plus its new last block.
+        r = tl.program_id(0)
+        decode, seq, n, _keep, thin_now = _row(r, qsl_ptr, seq_ptr, keep_ptr, BS, WP)
+        had = r < rows_last
+        cnt = tl.load(count_ptr + r, mask=had, other=0)
+        nb_then = tl.load(nb_ptr + r, mask=had, other=0)
+        last_id = tl.load(last_ids_ptr + r, mask=had, other=-1)
+        thin_then = tl.load(thin_ptr + r, mask=had, other=0) != 0
+        row = table_ptr + r * table_s0
+        was_last = tl.load(row + tl.minimum(tl.maximum(nb_then - 1, 0), width - 1)).to(tl.int64)
+        grew = n - nb_then
+        ok = had & thin_then & thin_now & (was_last == last_id) & ((grew == 0) | (grew == 1))
+        started = grew == 1
+        j = tl.arange(0, KP)
+        # Positions are read only where a choice has them (a row it did not
+        # thin has none written), and kept inside the row.
+        pos = tl.load(pos_ptr + r * pos_s0 + j, mask=had & thin_then & (j < k_last) & (j < cnt), other=width)
+        pos = tl.where((j == cnt) & started, n - 1, pos)
+        count = cnt + started.to(tl.int64)
+        blocks = tl.load(row + tl.minimum(tl.maximum(pos, 0), width - 1), mask=ok & (j < k), other=0)
+        last_fill = seq - (n - 1) * BS
+        tl.store(out_seq_ptr + r, tl.where(ok, (count - 1) * BS + last_fill, seq).to(out_seq_ptr.dtype.element_ty))
+        out_row = out_table_ptr + r * out_table_s0
+        if ok:
+            tl.store(out_row + j, blocks.to(out_table_ptr.dtype.element_ty), mask=j < count)
+        else:
+            # Read whole: the row's own table, whatever an earlier layer of
+            # the step wrote there.
+            c = tl.arange(0, WP)
+            tl.store(out_row + c, tl.load(row + c, mask=c < n), mask=c < n)
+        tl.store(new_pos_ptr + r * k + j, pos, mask=j < k)
+        tl.store(new_count_ptr + r, count)
+        tl.store(new_nb_ptr + r, n)
+        tl.store(new_last_ids_ptr + r, tl.load(row + tl.minimum(tl.maximum(n - 1, 0), width - 1)).to(tl.int64))
+        tl.store(new_thin_ptr + r, ok.to(tl.int8))
+        _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, ok, count, n, RP)
+        tl.atomic_add(totals_ptr + 8, ok.to(tl.int64))                    # rows_reused
+
+    _reuse_launch = _reuse_kernel.__getitem__
     _fold_launch = _fold_decode_kernel.__getitem__
     _logits_launch = _block_logits_kernel.__getitem__
     _select_launch = _select_kernel.__getitem__
@@ -321,14 +390,18 @@ def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: to
 def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_blocks: int, local_blocks: int,
                      bound: bool, query_in_order: bool, out_table: torch.Tensor, out_seq_lens: torch.Tensor,
                      totals: torch.Tensor, logits: torch.Tensor, fold: tuple | None = None,
-                     tile: int = 32) -> None:
+                     choice: tuple | None = None, tile: int = 32) -> None:
     """Score every block of every row and write the selection into
     ``out_table`` (chosen blocks of thinned rows, first columns) and
     ``out_seq_lens`` (every row); two launches.  ``keep`` is the budget by
     block count (a lookup table of at least ``width + 1`` entries);
     ``logits`` a ``[rows, query heads, width]`` fp32 scratch.  With ``fold``
     = ``(epochs,)`` (decode-only calls) the first launch also folds the new
-    keys into the summaries, as ``fold_decode`` would."""
+    keys into the summaries, as ``fold_decode`` would.  With ``choice`` =
+    ``(positions [rows, k], count, num_blocks, last_ids, thin)`` it also
+    writes what ``topk_reuse`` keeps of the choice: the chosen positions in
+    order (thinned rows' first ``count`` columns), and per row the budget,
+    the block count, the last block's id and whether it was thinned (int8)."""
     query = batch.query
     rows = batch.seq_lens.shape[0]
     num_heads, h, d = query.shape[1], batch.num_kv_heads, batch.head_size
@@ -360,8 +433,41 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
         PROBE=view is not None, num_warps=4)
     width_pow2 = max(16, _pow2(width))
     assert keep.numel() >= width_pow2 + 1
+    if choice is not None:
+        positions = choice[0]
+        assert positions.is_contiguous() and positions.dtype == torch.int64
+        choice_args = (positions, positions.shape[1], *choice[1:])
+    else:
+        dummy = _dummy(device)
+        choice_args = (dummy, 0, dummy, dummy, dummy, dummy)
     _select_launch((rows,))(
         logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
-        keep, out_table, out_table.stride(0), out_seq_lens, totals,
-        BS=batch.block_size, HQ=num_heads, HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
+        keep, out_table, out_table.stride(0), out_seq_lens, totals, *choice_args,
+        CHOICE=choice is not None, BS=batch.block_size, HQ=num_heads, HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
         RP=max(2, _pow2(rows)), SINK=sink_blocks, LOCAL=local_blocks, num_warps=4 if width_pow2 <= 1024 else 8)
+
+
+def reuse(last, batch, *, width: int, keep: torch.Tensor, out_table: torch.Tensor, out_seq_lens: torch.Tensor,
+          totals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``topk_reuse.KeptChoices.reuse`` in one launch: each row's choice of
+    the step before (``last``, a ``Choice``) if it still describes the row,
+    plus its new last block; other rows read whole.  Writes ``out_table``
+    and ``out_seq_lens`` (every row) and returns the new choice's positions,
+    counts, block counts, last block ids and thinned rows."""
+    rows = batch.seq_lens.shape[0]
+    rows_last, k_last = last.positions.shape
+    k = min(k_last + 1, out_table.shape[1])
+    device = batch.seq_lens.device
+    positions = torch.empty((rows, k), dtype=torch.int64, device=device)
+    count, num_blocks, last_ids = (torch.empty(rows, dtype=torch.int64, device=device) for _ in range(3))
+    thin = torch.empty(rows, dtype=torch.int8, device=device)
+    table = batch.block_table
+    width_pow2 = max(16, _pow2(width))
+    assert keep.numel() >= width_pow2 + 1
+    _reuse_launch((rows,))(
+        last.positions, last.positions.stride(0), k_last, rows_last, last.count, last.num_blocks, last.last_ids,
+        last.thin, batch.query_start_loc, batch.seq_lens, table, table.stride(0), keep, width, rows,
+        out_table, out_table.stride(0), out_seq_lens, positions, k, count, num_blocks, last_ids, thin, totals,
+        BS=batch.block_size, WP=width_pow2, KP=max(16, _pow2(k)), RP=max(2, _pow2(rows)),
+        num_warps=4 if width_pow2 <= 1024 else 8)
+    return positions, count, num_blocks, last_ids, thin.view(torch.bool)
