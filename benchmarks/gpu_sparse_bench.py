@@ -30,6 +30,10 @@ Llama-3-8B attention shapes by default (32 query / 8 KV heads of 128, bf16,
   the block table, dense and with the selection's table and lengths (its
   output checked against attention over the chosen blocks).  Eager and as
   CUDA graphs;
+* the same two for a method that reuses the step before's choice at every
+  step after its first (``reselect_every``: a reused call folds the new keys
+  and copies the choice, scoring nothing); the last column averages a
+  scoring and a reusing step, what ``reselect_every: 2`` costs;
 * at the smallest context, the CPU torch path on copies of the same inputs
   chooses the same blocks as CUDA (rows equal; rows that differ show how
   many blocks were swapped).
@@ -252,9 +256,13 @@ class Workload:
         return selection
 
 
-def _method(kernels: str, keep_ratio: float, dense_below: int = 0) -> BlockTopK:
-    return BlockTopK(BlockTopKOptions.parse({"keep_ratio": keep_ratio, "dense_below": dense_below}),
-                     kernels=kernels)
+# ``reselect_every`` so large that after its first step a method only reuses.
+ALWAYS_REUSE = 1 << 30
+
+
+def _method(kernels: str, keep_ratio: float, dense_below: int = 0, reselect_every: int = 1) -> BlockTopK:
+    return BlockTopK(BlockTopKOptions.parse({"keep_ratio": keep_ratio, "dense_below": dense_below,
+                                             "reselect_every": reselect_every}), kernels=kernels)
 
 
 # -- timing -------------------------------------------------------------------------
@@ -380,6 +388,17 @@ def measure_selection(work: Workload, kernels: str, steps: int) -> dict:
         out["kernel_us_per_call"] = {k: v / LAYERS_PER_STEP for k, v in launched[1].items()}
     fold = Stepper(work, _method(kernels, work.s.keep_ratio, dense_below=1 << 30))
     out["fold_only_eager_ms"] = _events_ms(fold, steps) / LAYERS_PER_STEP
+    # A call that reuses the step before's choice (reselect_every): the fold
+    # and a few small ops, no scoring.
+    reusing = _method(kernels, work.s.keep_ratio, reselect_every=ALWAYS_REUSE)
+    reused = Stepper(work, reusing)
+    timed = _per_layer(reused, steps)
+    out["reused_eager_ms"], out["reused_graph_ms"] = timed["eager_ms"], timed.get("graph_ms")
+    out["reused_syncs_per_call"] = _syncs(reused) / LAYERS_PER_STEP
+    launched = _kernels(reused)
+    if launched is not None:
+        out["reused_kernels_per_call"] = launched[0] / LAYERS_PER_STEP
+    out["reused_rows"] = reusing.stats().rows_reused
     selection = step()
     out["selection"] = (selection.block_table.clone(), selection.seq_lens.clone())
     out["read_fraction"] = method.stats().read_fraction
@@ -416,6 +435,8 @@ def measure_layers(work: Workload, method: BlockTopK, kernels: str, steps: int) 
     out["hook+sparse_sdpa"] = _per_layer(sparse, steps)
     fallback = Stepper(work, _method(kernels, s.keep_ratio, dense_below=1 << 30), lambda i, sel: sdpa(*full))
     out["hook_dense+dense_sdpa"] = _per_layer(fallback, steps)
+    reusing = Stepper(work, _method(kernels, s.keep_ratio, reselect_every=ALWAYS_REUSE), lambda i, sel: sdpa(*kept))
+    out["reused+sparse_sdpa"] = _per_layer(reusing, steps)
     if triton is not None:
         paged = PagedAttention(rows, s.heads, kvh, d, device=work.device)
         result = torch.empty(rows, s.heads, d, device=work.device, dtype=torch.bfloat16)
@@ -429,6 +450,10 @@ def measure_layers(work: Workload, method: BlockTopK, kernels: str, steps: int) 
         sparse_paged = Stepper(work, method, lambda i, sel: paged(
             work.query, views[i % len(views)], sel.block_table, sel.seq_lens, result, scale))
         out["hook+sparse_paged"] = _per_layer(sparse_paged, steps)
+        reused_paged = Stepper(work, _method(kernels, s.keep_ratio, reselect_every=ALWAYS_REUSE),
+                               lambda i, sel: paged(work.query, views[i % len(views)], sel.block_table,
+                                                    sel.seq_lens, result, scale))
+        out["reused+sparse_paged"] = _per_layer(reused_paged, steps)
         # The paged kernel over the selection equals attention over exactly
         # the chosen blocks (fp32 reference, two rows).
         selection = sparse_paged()
@@ -560,21 +585,27 @@ def _us(x) -> str:
 
 def table(results: list[dict]) -> str:
     lines = ["Selection (block_topk.before_attention) per layer call, µs:", "",
-             "| context | path | eager | host | graph (device) | fold only, eager | syncs/call | kernels/call |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| context | path | eager | host | graph (device) | fold only, eager | syncs/call | kernels/call "
+             "| reusing the step before's choice: eager / graph | its syncs/call | its kernels/call |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for k in ("triton", "torch"):
             sel = r.get(k)
             if not sel or "eager_ms" not in sel:
                 continue
             launched = sel.get("kernels_per_call")
+            reused = sel.get("reused_kernels_per_call")
             lines.append(f"| {r['context']} | {k} | {_us(sel['eager_ms'])} | {_us(sel.get('host_ms'))} | "
                          f"{_us(sel.get('graph_ms'))} | {_us(sel.get('fold_only_eager_ms'))} | "
-                         f"{sel['syncs_per_call']:.2f} | {'-' if launched is None else f'{launched:.2f}'} |")
+                         f"{sel['syncs_per_call']:.2f} | {'-' if launched is None else f'{launched:.2f}'} | "
+                         f"{_us(sel.get('reused_eager_ms'))} / {_us(sel.get('reused_graph_ms'))} | "
+                         f"{sel.get('reused_syncs_per_call', float('nan')):.2f} | "
+                         f"{'-' if reused is None else f'{reused:.2f}'} |")
     lines += ["", "A layer's attention part, per layer, µs (eager / graph):", "",
               "| context | dense SDPA | hook + SDPA over the kept quarter | ratio | hook left dense + dense SDPA "
-              "| dense paged | hook + paged over the selection | ratio |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| dense paged | hook + paged over the selection | ratio | reusing + paged | ratio "
+              "| reselect_every 2: mean ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lay = r.get("layers")
         if not lay:
@@ -587,10 +618,16 @@ def table(results: list[dict]) -> str:
         def ratios(sparse, dense):
             return f"{_layer_ratio(lay, sparse, dense):.2f} / {_layer_ratio(lay, sparse, dense, 'graph_ms'):.2f}"
 
+        def mean2(kind):
+            return (_layer_ratio(lay, "hook+sparse_paged", "dense_paged", kind)
+                    + _layer_ratio(lay, "reused+sparse_paged", "dense_paged", kind)) / 2
+
         lines.append(f"| {r['context']} | {both('dense_sdpa')} | {both('hook+sparse_sdpa')} | "
                      f"{ratios('hook+sparse_sdpa', 'dense_sdpa')} | {both('hook_dense+dense_sdpa')} | "
                      f"{both('dense_paged')} | {both('hook+sparse_paged')} | "
-                     f"{ratios('hook+sparse_paged', 'dense_paged')} |")
+                     f"{ratios('hook+sparse_paged', 'dense_paged')} | {both('reused+sparse_paged')} | "
+                     f"{ratios('reused+sparse_paged', 'dense_paged')} | "
+                     f"{mean2('eager_ms'):.2f} / {mean2('graph_ms'):.2f} |")
     return "\n".join(lines)
 
 
