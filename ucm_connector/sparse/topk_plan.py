@@ -201,17 +201,17 @@ class RowTensors:
 
 
 def increment(is_decode: torch.Tensor, num_blocks: torch.Tensor, dropped: torch.Tensor | None,
-              thin: torch.Tensor | None, reused: bool = False) -> torch.Tensor:
-    """What a layer call adds to each counter of ``STATS``: ``thin`` rows
-    read ``num_blocks - dropped`` blocks (``reused``: an earlier step's
-    choice), the other decode rows all of theirs."""
+              thin: torch.Tensor | None) -> torch.Tensor:
+    """What a layer call that scored (or was left dense) adds to each
+    counter of ``STATS``: ``thin`` rows read ``num_blocks - dropped``
+    blocks, the other decode rows all of theirs."""
     decode = is_decode.to(torch.int64)
     dense = (num_blocks * decode).sum()
     zero = torch.zeros((), dtype=torch.int64, device=decode.device)
     skipped = (dropped * thin).sum() if thin is not None else zero
     sparse = thin.sum() if thin is not None else zero
     return torch.stack((decode.amax() if decode.numel() else zero, decode.sum(), sparse, dense - skipped, dense,
-                        zero, zero, zero, sparse if reused else zero))
+                        zero, zero, zero, zero))
 
 
 def dense_increment(batch: AttentionBatch) -> torch.Tensor:
