@@ -9,7 +9,10 @@ or its interpreter with ``TRITON_INTERPRET=1``), through its kernels:
 * a new step is told by ``AttentionBatch.step``, not by tensor identity;
 * blocks filled behind the forward (known from the step hook) are checked
   against their pages without waiting; blocks of requests that ran before the
-  method started are found on the device (waiting) until those requests end.
+  method started are found on the device (waiting) until those requests end;
+* with ``reselect_every`` a step in between reads each row's blocks of the
+  step before plus a block it started, without scoring or waiting; a row
+  that holds another request is read whole, its own table.
 """
 
 from __future__ import annotations
@@ -654,7 +657,7 @@ def test_a_reused_choice_reads_the_blocks_of_the_step_before_and_a_new_last_bloc
     stats = reusing.stats()
     assert (stats.sparse_rows, stats.rows_reused) == (9, 3)
     keep5 = [math.ceil(n * 0.25) for n in blocks[5]]
-    assert stats.blocks_read == sum(lens_blocks for lens_blocks in blocks[2]) + 2 * sum(keep3) + 1 + sum(keep5)
+    assert stats.blocks_read == sum(blocks[2]) + 2 * sum(keep3) + 1 + sum(keep5)
     assert scoring.stats().rows_reused == 0
 
 
@@ -679,7 +682,7 @@ def test_rows_that_hold_another_request_than_at_the_step_before_are_read_whole_a
     method.before_attention(_decode(reqs, "layers.0", 2, 4))    # reuses the prefill's choice
     method.begin_step(info)
     first = method.before_attention(_decode(reqs, "layers.0", 3, 3))
-    kept = [_chosen(first.block_table, 2, math.ceil(_cdiv(1197, 16) * 0.25))]
+    kept = _chosen(first.block_table, 2, math.ceil(_cdiv(1197, 16) * 0.25))
     # Rows 0 and 1 trade places; row 2 stays.
     moved = _swapped(reqs, [1, 0, 2])
     method.begin_step(info)
@@ -690,7 +693,7 @@ def test_rows_that_hold_another_request_than_at_the_step_before_are_read_whole_a
     assert log.syncing == [] and method._kept._choices["layers.0"].age == 1
     assert selection.seq_lens.tolist()[:2] == [1001, 998]                 # read whole
     assert torch.equal(selection.block_table[:2], batch.block_table[:2])
-    assert selection.block_table[2, :len(kept[0])].tolist() == kept[0]   # reused
+    assert _chosen(selection.block_table, 2, len(kept)) == kept          # reused
     assert method.stats().rows_reused == 1
 
 
