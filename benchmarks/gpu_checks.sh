@@ -1,0 +1,43 @@
+#!/bin/sh
+# The CUDA path's checks in one go, for a machine with a CUDA GPU, torch and
+# Triton but no vLLM (the GPU machines this project borrows), run from the
+# repository root or from a copy of ucm_connector/, store_backends/,
+# patches/, benchmarks/, tests/ and ucm_testing/:
+#
+#     sh benchmarks/gpu_checks.sh OUT [PART ...]
+#
+# PARTs (default: all, in this order; a call that must end within a time
+# limit can take them a few at a time):
+#   tests     the CUDA cases of the transfer, worker, checksum and sparse
+#             selection tests (pytest.txt)
+#   worker    gpu_worker_bench.py: the worker's loads and saves against raw
+#             copies, and saves inside a stand-in forward pass (worker.*)
+#   checksum  checksum_bench.py: xxh3 of sealed rows on 1..8 threads (checksum.*)
+#   sparse    gpu_sparse_bench.py at 8k and 32k: selection, a reused choice,
+#             attention over the kept blocks against dense (sparse.*)
+#   transfer  gpu_bench.py without the large cache: gather and scatter by
+#             layout against raw pinned copies (transfer.*)
+# Each part's output goes to OUT; its exit status is printed.
+set -u
+OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests worker checksum sparse transfer]}
+shift
+PARTS=${*:-tests worker checksum sparse transfer}
+mkdir -p "$OUT"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi -L > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$OUT/gpu.txt" 2>&1
+for part in $PARTS; do
+    case $part in
+        tests)    python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_worker.py \
+                      tests/test_checksums.py tests/test_sparse_select.py > "$OUT/pytest.txt" 2>&1 ;;
+        worker)   python3 benchmarks/gpu_worker_bench.py --json "$OUT/worker.json" > "$OUT/worker.txt" 2>&1 ;;
+        checksum) python3 benchmarks/checksum_bench.py --blocks 128 --block-mib 2 --json "$OUT/checksum.json" \
+                      > "$OUT/checksum.txt" 2>&1 ;;
+        sparse)   python3 benchmarks/gpu_sparse_bench.py --contexts 8192 32768 --steps 10 --json "$OUT/sparse.json" \
+                      > "$OUT/sparse.txt" 2>&1 ;;
+        transfer) python3 benchmarks/gpu_bench.py --big-cache-gib 0 --no-sparse --json "$OUT/transfer.json" \
+                      > "$OUT/transfer.txt" 2>&1 ;;
+        *)        echo "unknown part '$part' (known: tests worker checksum sparse transfer)" >&2; exit 2 ;;
+    esac
+    echo "$part: exit status $?"
+done
