@@ -443,8 +443,9 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
     _select_launch((rows,))(
         logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
         keep, out_table, out_table.stride(0), out_seq_lens, totals, *choice_args,
-        CHOICE=choice is not None, BS=batch.block_size, HQ=num_heads, HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
-        RP=max(2, _pow2(rows)), SINK=sink_blocks, LOCAL=local_blocks, num_warps=4 if width_pow2 <= 1024 else 8)
+        CHOICE=choice is not None, BS=batch.block_size, HQ=num_heads,
+        HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2, RP=max(2, _pow2(rows)),
+        SINK=sink_blocks, LOCAL=local_blocks, num_warps=4 if width_pow2 <= 1024 else 8)
 
 
 def reuse(last, batch, *, width: int, keep: torch.Tensor, out_table: torch.Tensor, out_seq_lens: torch.Tensor,
