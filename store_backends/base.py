@@ -19,7 +19,8 @@ Rules every backend follows:
 * ``get_into_parts`` is ``get_into`` with each value spread over several
   buffers, filled in order (a caller reads a block straight into the places
   it is used); a store that does so without a temporary buffer says
-  ``reads_into_parts``.
+  ``reads_into_parts``.  ``put_parts`` is its mirror for writes
+  (``writes_from_parts``).
 * Reads that find nothing, or find something damaged, return a miss.
 * A store whose medium is gone raises ``StoreUnavailableError`` quickly
   (bounded timeouts), and works again once the medium is back.
@@ -151,6 +152,31 @@ class KVStore(abc.ABC):
                 if on_value is not None:
                     on_value(i)
         return found
+
+    #: True where ``put_parts`` copies each value's parts straight into the
+    #: medium; the generic version joins them into one buffer first.
+    writes_from_parts: bool = False
+
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]],
+                  before_value: Callable[[int], object] | None = None) -> list[bool]:
+        """``put`` where key i's value is the bytes of the buffers
+        ``parts[i]``, in order (a caller writes a block straight from the
+        places it is kept).  The buffers may be reused once it returns.
+
+        ``before_value(i)``, when given, is called just before value i is
+        copied (a store may skip it for a value it already holds), so the
+        caller can finish the value's parts there, e.g. a header over a
+        checksum of the rest, read while the rest is about to be copied
+        from the CPU's caches.  This version joins each value's parts into
+        one buffer, then puts."""
+        if len(parts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
+        values = []
+        for i, value_parts in enumerate(parts):
+            if before_value is not None:
+                before_value(i)
+            values.append(b"".join(byte_view(p) for p in value_parts))
+        return self.put(keys, values)
 
     @abc.abstractmethod
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -150,6 +150,37 @@ def test_get_into_parts_calls_back_each_whole_value_before_the_next(store):
     assert seen == [(0, values[0]), (3, values[1])]
 
 
+@pytest.mark.parametrize("cuts", [[64, 65600, 300000], [0, 64, 64, 1 << 20], []],
+                         ids=["header-pages", "empty-parts", "one-part"])
+def test_put_parts_stores_the_parts_joined_in_order(store, cuts):
+    """A value written from several buffers (a block's header and its
+    pages) is stored as their bytes in order; ``before_value(i)`` runs
+    before value i is copied, so what it writes into a part (a header) is
+    what is stored."""
+    nbytes = (1 << 20) + 4096
+    values = [block(31, nbytes), block(32, nbytes)]
+    edges = [0] + cuts + [nbytes]
+    parts = [[memoryview(bytearray(v[lo:hi])) for lo, hi in zip(edges, edges[1:])] for v in values]
+    # The first 64 bytes of each value are written only in before_value.
+    head = 64 if cuts and cuts[0] == 64 else None
+    called = []
+
+    def before_value(i: int) -> None:
+        called.append(i)
+        if head is not None:
+            parts[i][0][:] = values[i][:head]
+
+    if head is not None:
+        for value_parts in parts:
+            value_parts[0][:] = bytes(head)
+    assert store.put_parts([b"w1", b"w2"], parts, before_value) == [True, True]
+    settle(store)
+    assert store.get([b"w1", b"w2"]) == values
+    assert called == [0, 1]
+    with pytest.raises(ValueError):
+        store.put_parts([b"w1"], [])
+
+
 def test_put_is_idempotent(store):
     assert store.put([b"k"], [block(7)]) == [True]
     assert store.put([b"k"], [block(7)]) == [True]

@@ -310,6 +310,12 @@ def test_a_value_spread_over_several_runs_of_chunks_is_put_and_read_whole(shm):
         parts = [memoryview(bytearray(1000)), memoryview(bytearray(len(value) - 1000))]
         assert store.get_into_parts([b"big"], [parts]) == [True]
         assert b"".join(bytes(p) for p in parts) == value
+        # put_parts: parts cut across the chunks' edges, into six runs again.
+        store.delete([b"big"])
+        cuts = [0, 64, 5000, 8192, 8193, len(value)]
+        src = [memoryview(value)[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+        assert store.put_parts([b"big2"], [src]) == [True]
+        assert store.get([b"big2"]) == [value]
 
 
 def test_a_value_reused_while_a_batch_is_read_into_parts_is_a_miss_and_never_called_back(shm):

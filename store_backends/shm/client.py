@@ -229,11 +229,26 @@ class ShmStore(KVStore):
     def put(self, keys: Sequence[bytes], values: Sequence[bytes | Buffer]) -> list[bool]:
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        return self._write(keys, [[byte_view(v, writable=False)] for v in values])
+
+    writes_from_parts = True
+
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]],
+                  before_value: Callable[[int], object] | None = None) -> list[bool]:
+        if len(parts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
+        return self._write(keys, [[byte_view(p, writable=False) for p in value_parts] for value_parts in parts],
+                           before_value)
+
+    def _write(self, keys: Sequence[bytes], srcs: list[list[memoryview]],
+               before_value: Callable[[int], object] | None = None) -> list[bool]:
+        """Reserve chunks for each value (its parts, in order), copy the
+        parts straight into them (calling ``before_value(i)`` just before
+        value i's copy), and commit."""
         if not keys:
             return []
-        srcs = [byte_view(v, writable=False) for v in values]
         key_len, key_frames = pack_keys(keys)
-        sizes = array.array("q", [s.nbytes for s in srcs])
+        sizes = array.array("q", [sum(p.nbytes for p in value_parts) for value_parts in srcs])
         flags = int(Flag.OVERWRITE) if self.overwrite else 0
         # One deadline for the waits of both requests; the copy between them
         # is not waiting on the server, so it extends the deadline.
@@ -263,11 +278,15 @@ class ShmStore(KVStore):
                 src = srcs[i]
                 size = sizes[i]
                 end = pos + 2 * nruns[i]
+                if before_value is not None:
+                    before_value(i)
                 if nruns[i] == 1:
                     off = runs[pos] * chunk
-                    _copy(data[off:off + size], src)
+                    for part in src:
+                        _copy(data[off:off + part.nbytes], part)
+                        off += part.nbytes
                 else:
-                    copy_into_parts(_value_slices(data, chunk, runs, pos, end, size), [src], _copy)
+                    copy_into_parts(_value_slices(data, chunk, runs, pos, end, size), src, _copy)
                 pos = end
         except BaseException:
             try:
