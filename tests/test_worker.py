@@ -6,6 +6,7 @@ and dropped."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -54,17 +55,24 @@ def _pages(caches, block_ids) -> list[bytes]:
             for b in block_ids]
 
 
-@pytest.fixture(params=["pages", "rows"])
+@pytest.fixture(params=["pages", "rows", "shm"])
 def store(request, tmp_path):
     """A disk store, which reads blocks straight into the pages on CPU
-    (``reads_into_parts``), and a tier of two disk stores, which does not:
-    loads go through host rows."""
+    (``reads_into_parts``), a tier of two disk stores, which does not:
+    loads go through host rows, and an shm store, which also writes blocks
+    straight from the pages (``writes_from_parts``): on CPU its saves skip
+    the writer."""
     if request.param == "pages":
         s = open_store(f"disk://{tmp_path}/store")
-    else:
+    elif request.param == "rows":
         s = open_store([f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"], write_mode="sync")
-    assert s.reads_into_parts == (request.param == "pages")
+    else:
+        s = open_store(f"shm://w{uuid.uuid4().hex[:12]}?capacity=256MiB&runtime_dir={tmp_path}")
+    assert s.reads_into_parts == (request.param != "rows")
+    assert s.writes_from_parts == (request.param == "shm")
     yield s
+    if request.param == "shm":
+        s.shutdown_server()
     s.close()
 
 
@@ -151,14 +159,67 @@ def test_a_save_goes_to_the_writer_in_parts_and_every_block_arrives(store, devic
     keys = _keys(7)
     saver.save([BlockPlan("r", list(range(7)), keys)])
     assert saver.flush(10)
+    direct = saver.saves.direct
     saver.close()
-    assert parts == [2, 2, 2, 1]
+    # On CPU a store that writes from the pages takes them all at once.
+    assert parts == ([] if direct else [2, 2, 2, 1])
+    assert direct == (store.writes_from_parts and device == "cpu")
     dst = _caches(7, device)
     loader = _worker(store, dst)
     loader.load([BlockPlan("q", list(range(10, 17)), keys)])
     assert loader.take_load_errors() == set()
     assert _pages(dst, range(10, 17)) == _pages(src, range(7))
     loader.close()
+
+
+def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer(tmp_path, monkeypatch):
+    """On CPU an shm store takes saves straight from the pages, on the
+    engine thread.  Once it refuses one (full, or not answering), saves go
+    through the writer for ``DIRECT_SAVE_PAUSE_S``, so a store that stopped
+    answering holds up the engine thread once, not every step; then they
+    go straight again.  Every block that was not refused arrives whole."""
+    from ucm_connector import saves as saves_mod
+
+    store = open_store(f"shm://w{uuid.uuid4().hex[:12]}?capacity=64MiB&runtime_dir={tmp_path}")
+    refuse = [True]
+    put_parts = type(store).put_parts
+
+    def refusing(self, keys, parts, before_value=None):
+        if refuse:
+            refuse.clear()
+            return [False] * len(keys)
+        return put_parts(self, keys, parts, before_value)
+
+    monkeypatch.setattr(type(store), "put_parts", refusing)
+    jobs: list[int] = []
+    write = saves_mod.Saves._write
+    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (jobs.append(len(job[0])), write(self, job)))
+    src = _caches(11)
+    w = _worker(store, src)
+    keys = _keys(6)
+    try:
+        assert w.saves.direct
+        w.save([BlockPlan("r", [0, 1], keys[:2])])
+        assert w.flush(10)
+        assert store.contains(keys[:2]) == [False, False]
+        assert w.stats.totals()["skipped_saves"] == 2
+        w.save([BlockPlan("r", [2, 3], keys[2:4])])      # paused: the writer
+        assert w.flush(10)
+        assert jobs == [2]
+        w.saves._direct_paused_until = 0.0              # the pause is over
+        w.save([BlockPlan("r", [4, 5], keys[4:6])])
+        assert w.flush(10)
+        assert jobs == [2]
+        assert w.stats.totals()["saved_blocks"] == 4
+        dst = _caches(12)
+        loader = _worker(store, dst)
+        loader.load([BlockPlan("q", [10, 11, 12, 13], keys[2:6])])
+        assert loader.take_load_errors() == set()
+        assert _pages(dst, range(10, 14)) == _pages(src, range(2, 6))
+        loader.close()
+    finally:
+        w.close()
+        store.shutdown_server()
 
 
 def test_save_outcomes_say_written_present_and_not_stored(store, device):

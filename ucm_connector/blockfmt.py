@@ -203,6 +203,13 @@ def payload_hasher() -> "xxhash.xxh3_64":
     return xxhash.xxh3_64()
 
 
+def header_bytes(namespace_digest: bytes, payload_nbytes: int, payload_checksum: int, key: bytes = b"") -> bytes:
+    """The 64-byte header of a payload whose checksum the caller already
+    took (``payload_hasher``), for a block written as header and payload
+    pieces."""
+    return _pack_header(namespace_digest, payload_nbytes, payload_checksum, key)
+
+
 def pack_header_into(buf, namespace_digest: bytes, payload_nbytes: int, payload_checksum: int,
                      key: bytes = b"") -> None:
     """``pack_into`` for a payload whose checksum the caller already took

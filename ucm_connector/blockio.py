@@ -102,6 +102,11 @@ class JobThread:
                 self._running -= 1
                 self._cond.notify_all()
 
+    def idle(self) -> bool:
+        """No job queued or running."""
+        with self._cond:
+            return not self._jobs and not self._running
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued job is done."""
         with self._cond:

@@ -106,6 +106,13 @@ class TimedReads(KVStore):
     def put(self, keys, values):
         return self.inner.put(keys, values)
 
+    @property
+    def writes_from_parts(self) -> bool:
+        return self.inner.writes_from_parts
+
+    def put_parts(self, keys, parts, before_value=None) -> list[bool]:
+        return self.inner.put_parts(keys, parts, before_value)
+
     def get(self, keys):
         return self.inner.get(keys)
 

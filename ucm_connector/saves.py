@@ -9,6 +9,11 @@ rows themselves, so the engine never waits on the store's I/O.  Blocks the
 store has are skipped; a full backlog skips saves rather than wait; KV
 computed on a page whose load failed is never saved.
 
+On CPU, a store that writes a value from several buffers
+(``writes_from_parts``: shm) instead takes the blocks straight from the
+pages in ``wait_for_save`` (one copy, not two); after it refuses a save,
+saves go through the writer for ``DIRECT_SAVE_PAUSE_S``.
+
 With ``save_layerwise`` the gather moves into the forward pass: the step's
 save blocks get their rows when the step begins, each layer's pages are
 copied out as vLLM reports the layer written (``save_kv_layer``), and
@@ -48,6 +53,11 @@ SAVE_PART_NBYTES = 24 << 20
 #: thread, which a step saving a block or two does not win back.
 LAYERWISE_SAVE_MIN_NBYTES = 16 << 20
 
+#: After a save straight into the store failed (refused, or the store did
+#: not answer), saves go through the writer for this long, so that a store
+#: that stopped answering holds up the engine thread once, not every step.
+DIRECT_SAVE_PAUSE_S = 30.0
+
 #: A layer gather begun for a step: each plan's first row, by the plan's id
 #: (with the plan, so that the id cannot be reused while it is kept), and
 #: the gather.
@@ -77,6 +87,11 @@ class Saves(BlockIO):
         self._recent_failures: collections.deque[set[int]] = collections.deque([set(), set()], maxlen=2)
         # Jobs: (keys, rows, their copy, keys whose stored value is replaced).
         self._writer = JobThread(self._write, name="ucm-save-writer")
+        # On CPU, a store that writes a value from several buffers
+        # (``writes_from_parts``: shm) takes the blocks straight from the
+        # pages, one copy instead of two (``_put_direct``).
+        self.direct = self.transfer.pages_contiguous and self.store.writes_from_parts
+        self._direct_paused_until = 0.0
 
     def drop_tainted(self, plans: list[BlockPlan], failures: set[int]) -> list[BlockPlan]:
         """Never save KV computed on a page whose load failed: vLLM rewinds
@@ -200,6 +215,14 @@ class Saves(BlockIO):
                 self.stats.add(save_seconds=time.perf_counter() - t0)
                 return
             # The layer gather failed: the blocks are gathered whole below.
+        if todo and self.direct and self._writer.idle() and time.monotonic() >= self._direct_paused_until:
+            # Behind the writer's jobs it would race their deletes and puts.
+            self._put_direct([block_ids[i] for i in todo], [keys[i] for i in todo],
+                             [keys[i] for i in todo if overwrite[i]])
+            if skipped:
+                self.stats.add(skipped_saves=skipped)
+            self.stats.add(save_seconds=time.perf_counter() - t0)
+            return
         # Parts of about SAVE_PART_NBYTES: the writer puts one while the
         # next is gathered (benchmarks/RESULTS.md).
         step = min(self.pool.capacity, max(1, SAVE_PART_NBYTES // self.payload_nbytes))
@@ -247,6 +270,33 @@ class Saves(BlockIO):
                           [row_of[i] for i in todo]))
         return True
 
+    def _put_direct(self, block_ids: list[int], keys: list[bytes], replace: list[bytes]) -> None:
+        """Put the blocks straight from their pages, on the engine thread,
+        before ``wait_for_save`` returns (vLLM may reuse the pages in the
+        next step): the store copies each page once, and each block's
+        header is sealed just before its copy, over a checksum read while
+        its pages are about to be copied (benchmarks/RESULTS.md)."""
+        headers = [bytearray(blockfmt.HEADER_NBYTES) for _ in keys]
+        parts = [[memoryview(header)] + self.transfer.page_parts(b) for header, b in zip(headers, block_ids)]
+
+        def seal(i: int) -> None:
+            hasher = blockfmt.payload_hasher()
+            for page in parts[i][1:]:
+                hasher.update(page)
+            headers[i][:] = blockfmt.header_bytes(self.namespace_digest, self.payload_nbytes,
+                                                  hasher.intdigest(), key=keys[i])
+
+        try:
+            if replace:
+                self.store.delete(replace)
+            stored = self.store.put_parts(keys, parts, seal)
+        except Exception as exc:
+            self.report.failed("store save", exc)
+            stored = [False] * len(keys)
+        if not all(stored):
+            self._direct_paused_until = time.monotonic() + DIRECT_SAVE_PAUSE_S
+        self._written(keys, stored)
+
     def _write(self, job: tuple[list[bytes], HostRows, Transfer, list[bytes], list[int] | None]) -> None:
         keys, rows, copy, replace, picks = job
         t0 = time.perf_counter()
@@ -272,6 +322,10 @@ class Saves(BlockIO):
             stored = [False] * len(keys)
         finally:
             rows.release()
+        self._written(keys, stored, time.perf_counter() - t0)
+
+    def _written(self, keys: list[bytes], stored: list[bool], seconds: float = 0.0) -> None:
+        """Count and report a put's outcome."""
         n = sum(stored)
         if n < len(keys) and self.report.first("store refused"):
             logger.warning("ucm-connector: store %s refused %d of %d blocks (full?); refused saves "
@@ -280,7 +334,7 @@ class Saves(BlockIO):
         self.events.add(WRITTEN, [k for k, ok in zip(keys, stored) if ok])
         self.events.add(NOT_STORED, [k for k, ok in zip(keys, stored) if not ok])
         self.stats.add(saved_blocks=n, saved_bytes=n * self.payload_nbytes,
-                       skipped_saves=len(keys) - n, save_seconds=time.perf_counter() - t0)
+                       skipped_saves=len(keys) - n, save_seconds=seconds)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is written."""
