@@ -7,8 +7,10 @@ batches of blocks between vLLM CPU-style caches (one contiguous
 ``[num_blocks, kv_heads, block_size, 2*head_size]`` tensor per layer,
 SmolLM2-135M's shapes: 30 layers, 3 KV heads, head size 64, 128-token
 blocks, bf16, so 2.95 MB per block) and a real store.  A save is timed from
-``save`` until the writer has put every block (gather, envelope, checksum,
-put), and the same again with ``save_layerwise`` (each layer copied as
+``save`` until every block is put: straight from the pages where the store
+writes from parts (shm), else gather, envelope, checksum and the writer's
+put; the same save through the writer is timed beside it, with how long
+each holds the engine thread; and the same again with ``save_layerwise`` (each layer copied as
 ``save_kv_layer`` would report it, back to back here: on CPU that overlaps
 nothing, it only copies in another order); a load from ``load`` until every
 block is checked and in its pages
@@ -86,7 +88,7 @@ def bench_store(url: str, args, caches) -> dict:
     out = np.empty_like(rows)
     views = [memoryview(r) for r in rows]
     out_views = [memoryview(r) for r in out]
-    t = {k: [] for k in ("save", "save_layers", "load", "rows", "put", "get", "gather", "scatter", "seal", "check")}
+    t = {k: [] for k in ("save", "save_writer", "engine", "engine_writer", "save_layers", "load", "rows", "put", "get", "gather", "scatter", "seal", "check")}
     src = list(range(n))
     dst = list(range(n, 2 * n))
     for rep in range(args.warmup + args.reps):
@@ -94,8 +96,22 @@ def bench_store(url: str, args, caches) -> dict:
         keys = [b"%s-w%d-%d" % (uuid.uuid4().hex.encode(), rep, i) for i in range(n)]
         t0 = time.perf_counter()
         w.save([BlockPlan("r", src, keys)])
+        t_engine = time.perf_counter() - t0
         assert w.flush(120)
         t_save = time.perf_counter() - t0
+        # The same save through the writer, where the store could take it
+        # straight from the pages (``writes_from_parts``: shm).
+        writer_keys = [b"%s-x%d-%d" % (uuid.uuid4().hex.encode(), rep, i) for i in range(n)]
+        direct, w.saves.direct = w.saves.direct, False
+        try:
+            t0 = time.perf_counter()
+            w.save([BlockPlan("r", src, writer_keys)])
+            t_engine_writer = time.perf_counter() - t0
+            assert w.flush(120)
+            t_save_writer = time.perf_counter() - t0
+        finally:
+            w.saves.direct = direct
+        store.delete(writer_keys)
         layer_keys = [b"%s-l%d-%d" % (uuid.uuid4().hex.encode(), rep, i) for i in range(n)]
         plans = [BlockPlan("r", src, layer_keys)]
         t0 = time.perf_counter()
@@ -150,7 +166,8 @@ def bench_store(url: str, args, caches) -> dict:
         finally:
             pool_rows.release()
         if keep:
-            for k, v in (("save", t_save), ("save_layers", t_save_layers), ("load", t_load), ("rows", t_rows), ("put", t_put), ("get", t_get),
+            for k, v in (("save", t_save), ("save_writer", t_save_writer), ("engine", t_engine),
+                         ("engine_writer", t_engine_writer), ("save_layers", t_save_layers), ("load", t_load), ("rows", t_rows), ("put", t_put), ("get", t_get),
                          ("gather", t_gather), ("scatter", t_scatter), ("seal", t_seal), ("check", t_check)):
                 t[k].append(v)
     for name, view in caches.items():
@@ -163,6 +180,9 @@ def bench_store(url: str, args, caches) -> dict:
     return {
         "store": url.split(":")[0], "blocks": n, "block_mb": payload / 1e6, "gbps": gbps,
         "save_ratio": _median([p / s for p, s in zip(t["put"], t["save"])]),
+        "writer_ratio": _median([p / s for p, s in zip(t["put"], t["save_writer"])]),
+        "direct": direct,
+        "engine_ms": 1000 * _median(t["engine"]), "engine_writer_ms": 1000 * _median(t["engine_writer"]),
         "load_ratio": _median([g / s for g, s in zip(t["get"], t["load"])]),
         "rows_ratio": _median([g / s for g, s in zip(t["get"], t["rows"])]),
         "into_pages": getattr(store, "reads_into_parts", False),
@@ -220,6 +240,17 @@ def main(argv=None) -> int:
               f"| {g['load']:.2f} "
               f"({how}) | {g['get']:.2f} | {r['load_ratio']:.2f}x | {g['rows']:.2f} | {r['rows_ratio']:.2f}x | "
               f"{g['gather']:.1f} | {g['seal']:.1f} | {g['check']:.1f} | {g['scatter']:.1f} |")
+    print()
+    print("Saves: straight from the pages where the store can (writes_from_parts), against the same save")
+    print("through the writer; engine thread: ms until save() returns (what wait_for_save costs the step).")
+    print("| store | connector save | save / put | through the writer | writer / put | engine thread ms: save "
+          "| engine thread ms: through the writer |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        g = r["gbps"]
+        how = "straight" if r["direct"] else "writer"
+        print(f"| {r['store']} | {g['save']:.2f} ({how}) | {r['save_ratio']:.2f}x | {g['save_writer']:.2f} "
+              f"| {r['writer_ratio']:.2f}x | {r['engine_ms']:.1f} | {r['engine_writer_ms']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
