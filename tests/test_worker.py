@@ -175,9 +175,9 @@ def test_a_save_goes_to_the_writer_in_parts_and_every_block_arrives(store, devic
 def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer(tmp_path, monkeypatch):
     """On CPU an shm store takes saves straight from the pages, on the
     engine thread.  Once it refuses one (full, or not answering), saves go
-    through the writer for ``DIRECT_SAVE_PAUSE_S``, so a store that stopped
-    answering holds up the engine thread once, not every step; then they
-    go straight again.  Every block that was not refused arrives whole."""
+    through the writer for ``DIRECT_SAVE_PAUSE_S`` (longer after each
+    refusal in a row), so a store that stopped answering holds up the
+    engine thread once, not every step; then they go straight again.  Every block that was not refused arrives whole."""
     from ucm_connector import saves as saves_mod
 
     store = open_store(f"shm://w{uuid.uuid4().hex[:12]}?capacity=64MiB&runtime_dir={tmp_path}")
@@ -206,10 +206,12 @@ def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer
         w.save([BlockPlan("r", [2, 3], keys[2:4])])      # paused: the writer
         assert w.flush(10)
         assert jobs == [2]
+        assert w.saves._direct_pause == 2 * saves_mod.DIRECT_SAVE_PAUSE_S   # the next one in a row: longer
         w.saves._direct_paused_until = 0.0              # the pause is over
         w.save([BlockPlan("r", [4, 5], keys[4:6])])
         assert w.flush(10)
         assert jobs == [2]
+        assert w.saves._direct_pause == saves_mod.DIRECT_SAVE_PAUSE_S
         assert w.stats.totals()["saved_blocks"] == 4
         dst = _caches(12)
         loader = _worker(store, dst)
@@ -220,6 +222,38 @@ def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer
     finally:
         w.close()
         store.shutdown_server()
+
+
+def test_a_stopped_shm_server_refuses_a_direct_save_and_the_next_go_through_the_writer(tmp_path, monkeypatch):
+    """A real shm server, SIGSTOPped: the save straight from the pages
+    waits the store's timeout, is refused and counted; once the server runs
+    again, saves still go through the writer until the pause is over, and
+    arrive."""
+    import os
+    import signal
+
+    from ucm_connector import saves as saves_mod
+
+    jobs: list[int] = []
+    write = saves_mod.Saves._write
+    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (jobs.append(len(job[0])), write(self, job)))
+    store = open_store(f"shm://w{uuid.uuid4().hex[:12]}?capacity=64MiB&timeout=0.5&runtime_dir={tmp_path}")
+    pid = store.stats().extra["server_pid"]
+    w = _worker(store, _caches(13))
+    keys = _keys(4)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        w.save([BlockPlan("r", [0, 1], keys[:2])])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert w.stats.totals()["skipped_saves"] == 2
+    assert jobs == []
+    w.save([BlockPlan("r", [2, 3], keys[2:])])
+    assert w.flush(10)
+    assert jobs == [2]
+    assert store.contains(keys) == [False, False, True, True]
+    w.close()
+    store.shutdown_server()
 
 
 def test_save_outcomes_say_written_present_and_not_stored(store, device):

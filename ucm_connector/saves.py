@@ -12,7 +12,8 @@ computed on a page whose load failed is never saved.
 On CPU, a store that writes a value from several buffers
 (``writes_from_parts``: shm) instead takes the blocks straight from the
 pages in ``wait_for_save`` (one copy, not two); after it refuses a save,
-saves go through the writer for ``DIRECT_SAVE_PAUSE_S``.
+saves go through the writer for ``DIRECT_SAVE_PAUSE_S``, twice as long
+after each further refusal in a row.
 
 With ``save_layerwise`` the gather moves into the forward pass: the step's
 save blocks get their rows when the step begins, each layer's pages are
@@ -55,8 +56,10 @@ LAYERWISE_SAVE_MIN_NBYTES = 16 << 20
 
 #: After a save straight into the store failed (refused, or the store did
 #: not answer), saves go through the writer for this long, so that a store
-#: that stopped answering holds up the engine thread once, not every step.
+#: that stopped answering holds up the engine thread once, not every step;
+#: each failure in a row doubles the pause, up to DIRECT_SAVE_MAX_PAUSE_S.
 DIRECT_SAVE_PAUSE_S = 30.0
+DIRECT_SAVE_MAX_PAUSE_S = 600.0
 
 #: A layer gather begun for a step: each plan's first row, by the plan's id
 #: (with the plan, so that the id cannot be reused while it is kept), and
@@ -92,6 +95,7 @@ class Saves(BlockIO):
         # pages, one copy instead of two (``_put_direct``).
         self.direct = self.transfer.pages_contiguous and self.store.writes_from_parts
         self._direct_paused_until = 0.0
+        self._direct_pause = DIRECT_SAVE_PAUSE_S
 
     def drop_tainted(self, plans: list[BlockPlan], failures: set[int]) -> list[BlockPlan]:
         """Never save KV computed on a page whose load failed: vLLM rewinds
@@ -293,8 +297,11 @@ class Saves(BlockIO):
         except Exception as exc:
             self.report.failed("store save", exc)
             stored = [False] * len(keys)
-        if not all(stored):
-            self._direct_paused_until = time.monotonic() + DIRECT_SAVE_PAUSE_S
+        if all(stored):
+            self._direct_pause = DIRECT_SAVE_PAUSE_S
+        else:
+            self._direct_paused_until = time.monotonic() + self._direct_pause
+            self._direct_pause = min(2 * self._direct_pause, DIRECT_SAVE_MAX_PAUSE_S)
         self._written(keys, stored)
 
     def _write(self, job: tuple[list[bytes], HostRows, Transfer, list[bytes], list[int] | None]) -> None:
