@@ -12,6 +12,7 @@ Spec::
      "prefix_caching": false,            # vLLM's own prefix cache
      "max_num_batched_tokens": 256,      # small: long prompts go through chunked prefill
      "extra_config": {...},              # more kv_connector_extra_config keys
+                                         # (load_policy defaults to "always" here)
      "dtype": "bfloat16", "block_size": 128, "tensor_parallel_size": 1,
      "num_gpu_blocks_override": null,    # a small KV cache forces preemption
      "max_model_len": 4096,
@@ -219,7 +220,10 @@ def build_llm(spec: dict):
     if spec.get("lora"):
         kwargs.update(enable_lora=True, **spec["lora"])
     if spec.get("store") is not None:
-        extra = {"store": spec["store"], **spec.get("extra_config", {})}
+        # Every hit is loaded unless a test asks otherwise: with the default
+        # load_policy auto, whether a later hit on these tiny models is
+        # loaded or recomputed depends on how busy the machine is then.
+        extra = {"store": spec["store"], "load_policy": "always", **spec.get("extra_config", {})}
         kwargs["kv_transfer_config"] = {
             "kv_connector": "UCMConnector", "kv_role": spec.get("kv_role", "kv_both"),
             "kv_connector_extra_config": extra,

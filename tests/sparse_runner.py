@@ -113,7 +113,8 @@ def build_llm(spec: dict):
     if spec.get("num_blocks"):
         kwargs["num_gpu_blocks_override"] = int(spec["num_blocks"])
     if spec.get("store") is not None:
-        extra = {"store": spec["store"], **spec.get("extra_config", {})}
+        # Every hit is loaded unless a test asks otherwise (as in e2e_runner).
+        extra = {"store": spec["store"], "load_policy": "always", **spec.get("extra_config", {})}
         if spec.get("sparse"):
             extra["sparse"] = spec["sparse"]
         kwargs["kv_transfer_config"] = {
