@@ -11,6 +11,7 @@ one-line progress report of ``ucm`` and ``ucm-bench``.
 """
 
 from .base import KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
+from .pausing import PausingStore, pause_unavailable
 from .progress import Progress
 from .registry import ENTRY_POINT_GROUP, known_schemes, open_store, register_scheme, url_scheme, which_store
 from .urls import mask_password
@@ -31,6 +32,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "KVStore",
     "OpenMode",
+    "PausingStore",
     "Progress",
     "ServerStatus",
     "ShmServerNotRunning",
@@ -44,6 +46,7 @@ __all__ = [
     "list_servers",
     "mask_password",
     "open_store",
+    "pause_unavailable",
     "register_scheme",
     "server_running",
     "server_status",

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from store_backends import StoreError, open_store
+from store_backends import StoreError, open_store, pause_unavailable
 
 from .adapters import AdapterIdentities
 from .config import LoadMode, UCMConfig
@@ -117,10 +117,13 @@ def _tp_union(block_ids: set[int]) -> set[int]:
 
 
 def _open_store(config: UCMConfig):
+    """The configured store; a medium (a tier) that stops answering is not
+    asked again for a while, so the engine waits a store's timeout once,
+    not on every call (``store_backends.pausing``)."""
     urls = config.store_urls
     if len(urls) == 1:
-        return open_store(urls[0])
-    return open_store(urls, write_mode=config.tier_write_mode)
+        return pause_unavailable(open_store(urls[0]))
+    return pause_unavailable(open_store(urls, write_mode=config.tier_write_mode))
 
 
 class UCMConnector(KVConnectorBase_V1):
