@@ -186,8 +186,11 @@ class TieredStore(KVStore):
 
         def read_tier(tier: int, positions: list[int]) -> list[bool]:
             hit = self.stores[tier].get_into([keys[i] for i in positions], [buffers[i] for i in positions])
-            got = [i for i, h in zip(positions, hit) if h]
-            self._promote(tier, [keys[i] for i in got], [bytes(buffers[i]) for i in got])
+            if tier > 0 and self.promote:
+                # Copies for the upper tiers only where there are some: a
+                # first-tier hit copies nothing more.
+                got = [i for i, h in zip(positions, hit) if h]
+                self._promote(tier, [keys[i] for i in got], [bytes(buffers[i]) for i in got])
             return hit
 
         return self._read(keys, read_tier)
