@@ -10,6 +10,10 @@ less: its errors are counted, logged once, and the other tiers carry on.
 Background writes are bounded (``max_pending_nbytes``); when the backlog is
 full a write to a lower tier is dropped and counted, never waited for, so a
 slow lower tier cannot stall the engine.
+
+``put_parts`` (async) writes the first tier from the caller's buffers and
+hands the lower tiers only the keys: the background thread reads the values
+back from the first tier when it writes them, so no copy is kept meanwhile.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
-from .base import Buffer, KVStore, StoreError, StoreStats, StoreUnavailableError, check_batch
+from .base import Buffer, KVStore, StoreError, StoreStats, StoreUnavailableError, byte_view, check_batch
 from .urls import mask_password
 
 logger = logging.getLogger(__name__)
@@ -42,8 +46,9 @@ class TieredStore(KVStore):
         self.url = "[" + ", ".join(mask_password(s.url) for s in self.stores) + "]"
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        # (tier index, keys, values) batches waiting for the writer thread.
-        self._pending: collections.deque[tuple[int, list[bytes], list[bytes]]] = collections.deque()
+        # (tier index, keys, values, bytes) batches waiting for the writer
+        # thread; values None: read them back from the first tier then.
+        self._pending: collections.deque[tuple[int, list[bytes], list[bytes] | None, int]] = collections.deque()
         self._pending_nbytes = 0
         self._in_flight = 0
         self._closed = False
@@ -69,15 +74,19 @@ class TieredStore(KVStore):
 
     # -- background writes ---------------------------------------------------
 
-    def _enqueue(self, tier: int, keys: list[bytes], values: list[bytes]) -> None:
-        nbytes = sum(len(v) for v in values)
+    def _enqueue(self, tier: int, keys: list[bytes], values: list[bytes] | None, nbytes: int | None = None) -> None:
+        """Queue a write to ``tier``; ``values=None``: of the values the
+        first tier holds under ``keys`` (``nbytes`` in all), read back when
+        the write is made."""
+        if nbytes is None:
+            nbytes = sum(len(v) for v in values or ())
         with self._cond:
             if self._closed:
                 return
             if self._pending_nbytes + nbytes > self.max_pending_nbytes and self._pending:
                 self._num_dropped += len(keys)
                 return
-            self._pending.append((tier, keys, values))
+            self._pending.append((tier, keys, values, nbytes))
             self._pending_nbytes += nbytes
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write_loop, name="ucm-tier-writer", daemon=True)
@@ -91,11 +100,14 @@ class TieredStore(KVStore):
                     self._cond.wait()
                 if not self._pending:
                     return
-                tier, keys, values = self._pending.popleft()
-                self._pending_nbytes -= sum(len(v) for v in values)
+                tier, keys, values, nbytes = self._pending.popleft()
+                self._pending_nbytes -= nbytes
                 self._in_flight += 1
             try:
-                self._put_tier(tier, keys, values)
+                if values is None:
+                    keys, values = self._read_back(keys)
+                if keys:
+                    self._put_tier(tier, keys, values)
             finally:
                 with self._cond:
                     self._in_flight -= 1
@@ -111,6 +123,20 @@ class TieredStore(KVStore):
     def _owned(values: Sequence[bytes | Buffer]) -> list[bytes]:
         # The caller may reuse its buffers once put() returns.
         return [v if isinstance(v, bytes) else bytes(v) for v in values]
+
+    def _read_back(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """The first tier's values of ``keys`` (those it still holds), read
+        without counting a use."""
+        try:
+            got = self.stores[0].peek(keys)
+        except StoreError as exc:
+            self._tier_failed(0, exc)
+            got = [None] * len(keys)
+        kept = [(key, value[1]) for key, value in zip(keys, got) if value is not None]
+        if len(kept) < len(keys):
+            with self._lock:
+                self._num_dropped += len(keys) - len(kept)
+        return [k for k, _ in kept], [v for _, v in kept]
 
     def _put_tier(self, tier: int, keys: list[bytes], values: Sequence[bytes | Buffer]) -> list[bool]:
         try:
@@ -143,6 +169,44 @@ class TieredStore(KVStore):
             stored = [a or b for a, b in zip(stored, ok)]
         if failures == len(self.stores):
             raise StoreUnavailableError(f"store {self.url}: every tier failed")
+        return stored
+
+    @property
+    def writes_from_parts(self) -> bool:  # type: ignore[override]
+        return self.stores[0].writes_from_parts and self.write_mode == "async"
+
+    def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]],
+                  before_value: Callable[[int], object] | None = None) -> list[bool]:
+        """With ``write_mode="async"``: the first tier writes the values
+        from their parts; the lower tiers get them in the background, read
+        back from the first tier (no copy of the values is kept meanwhile).
+        A value the first tier could not keep is joined now and queued for
+        the lower tiers too: nothing here waits on a lower tier, and the
+        answer is the first tier's.  Otherwise as ``put``."""
+        if len(parts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
+        check_batch(keys)
+        keys = list(keys)
+        if not keys or self.write_mode != "async" or len(self.stores) == 1:
+            return super().put_parts(keys, parts, before_value)
+        try:
+            stored = self.stores[0].put_parts(keys, parts, before_value)
+        except StoreError as exc:
+            self._tier_failed(0, exc)
+            stored = [False] * len(keys)
+        kept = [i for i, ok in enumerate(stored) if ok]
+        refused = [i for i, ok in enumerate(stored) if not ok]
+        values = []
+        for i in refused:
+            if before_value is not None:
+                before_value(i)     # the first tier may not have called it
+            values.append(b"".join(byte_view(p) for p in parts[i]))
+        for tier in range(1, len(self.stores)):
+            if kept:
+                self._enqueue(tier, [keys[i] for i in kept], None,
+                              sum(byte_view(p).nbytes for i in kept for p in parts[i]))
+            if refused:
+                self._enqueue(tier, [keys[i] for i in refused], values)
         return stored
 
     def _read(self, keys: list[bytes], read_tier) -> list[bool]:

@@ -4,6 +4,7 @@ tier that goes down."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -53,6 +54,46 @@ def test_writes_reach_every_tier_in_the_background(tmp_path):
         assert open_store(bottom).get([b"a"]) == [b"x" * 1000]
     finally:
         tier.close()
+
+
+def test_put_parts_writes_the_first_tier_from_the_parts_and_reads_back_for_the_lower_ones(tmp_path):
+    """shm over disk, async: the shm tier copies each value from its parts
+    (after ``before_value`` filled the header part); the disk tier gets the
+    same bytes in the background, read back from shm without counting a
+    get, once the caller's buffers are reused.  A value shm cannot keep
+    (larger than it) still reaches the disk, with its header filled."""
+    shm_url = f"shm://t{uuid.uuid4().hex[:10]}?capacity=4MiB&chunk=64KiB&runtime_dir={tmp_path}"
+    bottom = f"disk://{tmp_path}/bottom"
+    tier = open_store([shm_url, bottom])
+    try:
+        assert tier.writes_from_parts
+        sizes = [100_000, 200_000, 5 << 20]       # the last is larger than the shm tier
+        headers = [bytearray(8) for _ in sizes]
+        bodies = [bytearray(bytes([i + 1]) * n) for i, n in enumerate(sizes)]
+        keys = [b"p0", b"p1", b"big"]
+        called = []
+
+        def before_value(i: int) -> None:
+            called.append(i)
+            headers[i][:] = b"header%d!" % i
+
+        assert tier.put_parts(keys, [[h, b] for h, b in zip(headers, bodies)], before_value) == \
+            [True, True, False]
+        want = [b"header%d!" % i + bytes([i + 1]) * n for i, n in enumerate(sizes)]
+        for h, b in zip(headers, bodies):      # the caller reuses its buffers at once
+            h[:] = bytes(8)
+            b[:] = bytes(len(b))
+        assert sorted(called) == [0, 1, 2]
+        shm = tier.stores[0]
+        gets = shm.stats().num_gets
+        assert tier.flush(timeout=30)
+        assert shm.stats().num_gets == gets     # read back without counting a use
+        with open_store(bottom) as disk:
+            assert disk.get(keys) == want
+        assert shm.get(keys[:2]) == want[:2]
+    finally:
+        tier.close()
+        tier.stores[0].shutdown_server()
 
 
 def test_sync_mode_writes_every_tier_before_put_returns(tmp_path):

@@ -224,6 +224,33 @@ def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer
         store.shutdown_server()
 
 
+def test_a_tier_over_shm_saves_straight_from_the_pages_and_the_lower_tier_gets_the_blocks(tmp_path):
+    """shm over disk (async): saves go straight from the pages into shm,
+    and the disk tier gets the same blocks in the background; a loader on
+    the disk tier alone puts back the saved bytes."""
+    shm_url = f"shm://w{uuid.uuid4().hex[:12]}?capacity=64MiB&runtime_dir={tmp_path}"
+    tier = open_store([shm_url, f"disk://{tmp_path}/disk"])
+    src = _caches(14)
+    w = _worker(tier, src)
+    keys = _keys(5)
+    try:
+        assert w.saves.direct
+        w.save([BlockPlan("r", list(range(5)), keys)])
+        assert w.flush(10) and tier.flush(timeout=30)
+        assert w.stats.totals()["saved_blocks"] == 5
+    finally:
+        w.close()
+        tier.close()
+        tier.stores[0].shutdown_server()
+    with open_store(f"disk://{tmp_path}/disk") as disk:
+        dst = _caches(15)
+        loader = _worker(disk, dst)
+        loader.load([BlockPlan("q", list(range(10, 15)), keys)])
+        assert loader.take_load_errors() == set()
+        assert _pages(dst, range(10, 15)) == _pages(src, range(5))
+        loader.close()
+
+
 def test_a_stopped_shm_server_refuses_a_direct_save_and_the_next_go_through_the_writer(tmp_path, monkeypatch):
     """A real shm server, SIGSTOPped: the save straight from the pages
     waits the store's timeout, is refused and counted; once the server runs
