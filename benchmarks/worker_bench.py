@@ -1,6 +1,6 @@
 """The connector's own data path on CPU, against the store alone, in one run.
 
-    .venv/bin/python benchmarks/worker_bench.py [--stores shm,disk,redis] [--blocks 64] [--reps 5]
+    .venv/bin/python benchmarks/worker_bench.py [--stores shm,disk,redis,tier] [--blocks 64] [--reps 5]
 
 ``UCMWorker`` (no vLLM: the worker side imports without it) saves and loads
 batches of blocks between vLLM CPU-style caches (one contiguous
@@ -68,7 +68,7 @@ def _median(xs: list[float]) -> float:
     return float(np.median(xs))
 
 
-def bench_store(url: str, args, caches) -> dict:
+def bench_store(url: str | list[str], args, caches) -> dict:
     n = args.blocks
     store = open_store(url)
     w = UCMWorker(store=store, namespace_digest=NS, tp_rank=0, num_blocks=args.num_blocks,
@@ -82,6 +82,13 @@ def bench_store(url: str, args, caches) -> dict:
                    blocks_per_request=n, load_mode=LoadMode.SYNC, save_layerwise=True)
     wl.register_kv_caches(caches)
     payload = w.payload_nbytes
+    # A tier's background writes to its lower tiers, finished between the
+    # timed parts (never timed).
+    flush = getattr(store, "flush", None)
+
+    def settle() -> None:
+        if flush is not None:
+            assert flush(timeout=120)
     block = blockfmt.block_nbytes(payload)
     nbytes = n * payload
     rows = np.random.default_rng(1).integers(0, 255, (n, block), dtype=np.uint8)
@@ -99,6 +106,7 @@ def bench_store(url: str, args, caches) -> dict:
         t_engine = time.perf_counter() - t0
         assert w.flush(120)
         t_save = time.perf_counter() - t0
+        settle()
         # The same save through the writer, where the store could take it
         # straight from the pages (``writes_from_parts``: shm).
         writer_keys = [b"%s-x%d-%d" % (uuid.uuid4().hex.encode(), rep, i) for i in range(n)]
@@ -109,6 +117,7 @@ def bench_store(url: str, args, caches) -> dict:
             t_engine_writer = time.perf_counter() - t0
             assert w.flush(120)
             t_save_writer = time.perf_counter() - t0
+            settle()
         finally:
             w.saves.direct = direct
         store.delete(writer_keys)
@@ -142,6 +151,7 @@ def bench_store(url: str, args, caches) -> dict:
         t0 = time.perf_counter()
         assert all(store.put(raw_keys, views))
         t_put = time.perf_counter() - t0
+        settle()
         t0 = time.perf_counter()
         assert all(store.get_into(raw_keys, out_views))
         t_get = time.perf_counter() - t0
@@ -178,7 +188,7 @@ def bench_store(url: str, args, caches) -> dict:
     store.close()
     gbps = {k: nbytes / _median(v) / 1e9 for k, v in t.items()}
     return {
-        "store": url.split(":")[0], "blocks": n, "block_mb": payload / 1e6, "gbps": gbps,
+        "store": "tier" if isinstance(url, list) else url.split(":")[0], "blocks": n, "block_mb": payload / 1e6, "gbps": gbps,
         "save_ratio": _median([p / s for p, s in zip(t["put"], t["save"])]),
         "writer_ratio": _median([p / s for p, s in zip(t["put"], t["save_writer"])]),
         "direct": direct,
@@ -191,7 +201,8 @@ def bench_store(url: str, args, caches) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stores", default="shm,disk,redis")
+    p.add_argument("--stores", default="shm,disk,redis",
+                   help="store kinds, of shm, disk, redis and tier (shm over disk, async)")
     p.add_argument("--blocks", type=int, default=64, help="blocks per batch (default 64: 189 MB)")
     p.add_argument("--num-blocks", type=int, default=160, help="blocks in the cache")
     p.add_argument("--layers", type=int, default=30)
@@ -215,14 +226,18 @@ def main(argv=None) -> int:
             elif kind == "redis":
                 redis = RedisServer(extra=["--maxmemory", "2gb"]).start()
                 url = redis.url
+            elif kind == "tier":
+                url = [f"shm://{shm_name}t?capacity=2GiB", f"disk://{tmp}/tier?capacity=4GiB"]
             else:
-                p.error(f"unknown store kind {kind!r} (shm, disk, redis)")
+                p.error(f"unknown store kind {kind!r} (shm, disk, redis, tier)")
             results.append(bench_store(url, args, caches))
             print(f"done: {kind}", file=sys.stderr)
     finally:
-        if "shm" in args.stores:
+        for name, kind in ((shm_name, "shm"), (shm_name + "t", "tier")):
+            if kind not in args.stores.split(","):
+                continue
             try:
-                stop_server(shm_name)
+                stop_server(name)
             except Exception as exc:  # noqa: BLE001 - report, do not hide the results
                 print(f"could not stop the shm server: {exc}", file=sys.stderr)
         if redis is not None:
