@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
+from unittest import mock
 
 import numpy as np
 import torch
@@ -137,14 +138,10 @@ def bench_store(url: str | list[str], args, caches) -> dict:
         assert w.take_load_errors() == set(), "a block failed its check"
         # The same load through host rows (a store that cannot read into
         # parts): read into rows, checked there, then copied into the pages.
-        into_pages = getattr(store, "reads_into_parts", False)
-        store.reads_into_parts = False
-        try:
+        with mock.patch.object(type(w.loads.reader), "into_pages", False):
             t0 = time.perf_counter()
             w.load([BlockPlan("q", dst, keys)])
             t_rows = time.perf_counter() - t0
-        finally:
-            store.reads_into_parts = into_pages
         assert w.take_load_errors() == set(), "a block failed its check"
         # The store alone: the same rows, put and read back with one call each.
         raw_keys = [b"%s-s%d-%d" % (uuid.uuid4().hex.encode(), rep, i) for i in range(n)]

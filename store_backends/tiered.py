@@ -259,6 +259,34 @@ class TieredStore(KVStore):
 
         return self._read(keys, read_tier)
 
+    @property
+    def reads_into_parts(self) -> bool:  # type: ignore[override]
+        return all(store.reads_into_parts for store in self.stores)
+
+    def get_into_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]],
+                       on_value: Callable[[int], object] | None = None) -> list[bool]:
+        """Each tier reads the values it has straight into their parts (where
+        every tier can: ``reads_into_parts``), falling through like
+        ``get_into``; ``on_value(i)`` is called by the tier that read value
+        i, as soon as it is whole.  Hits of a lower tier are promoted."""
+        if len(parts) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
+        if not self.reads_into_parts:
+            return super().get_into_parts(keys, parts, on_value)
+        check_batch(keys)
+        keys = list(keys)
+
+        def read_tier(tier: int, positions: list[int]) -> list[bool]:
+            called = None if on_value is None else (lambda j: on_value(positions[j]))
+            hit = self.stores[tier].get_into_parts([keys[i] for i in positions], [parts[i] for i in positions],
+                                                   called)
+            if tier > 0 and self.promote:
+                got = [i for i, h in zip(positions, hit) if h]
+                self._promote(tier, [keys[i] for i in got], [b"".join(parts[i]) for i in got])
+            return hit
+
+        return self._read(keys, read_tier)
+
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         check_batch(keys)
         keys = list(keys)

@@ -96,6 +96,32 @@ def test_put_parts_writes_the_first_tier_from_the_parts_and_reads_back_for_the_l
         tier.stores[0].shutdown_server()
 
 
+def test_get_into_parts_reads_each_tier_straight_into_the_parts_and_promotes(tmp_path):
+    """Two disk tiers, each reading into parts: a value of the top tier and
+    one only the bottom tier has both land whole in their parts;
+    ``on_value`` comes once per found value with its position in the
+    caller's batch; the bottom tier's hit is promoted."""
+    top, bottom = f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"
+    with open_store(top) as t:
+        t.put([b"up"], [b"U" * 5000])
+    with open_store(bottom) as b:
+        b.put([b"down"], [b"D" * 5000])
+    tier = open_store([top, bottom])
+    try:
+        assert tier.reads_into_parts
+        parts = [[memoryview(bytearray(64)), memoryview(bytearray(5000 - 64))] for _ in range(3)]
+        seen = []
+        found = tier.get_into_parts([b"absent", b"down", b"up"], parts,
+                                    lambda i: seen.append((i, b"".join(parts[i]))))
+        assert found == [False, True, True]
+        assert sorted(seen) == [(1, b"D" * 5000), (2, b"U" * 5000)]
+        assert tier.flush(timeout=30)
+        with open_store(top) as t:
+            assert t.get([b"down"]) == [b"D" * 5000]
+    finally:
+        tier.close()
+
+
 def test_sync_mode_writes_every_tier_before_put_returns(tmp_path):
     top, bottom = f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"
     tier = open_store([top, bottom], write_mode="sync")

@@ -55,16 +55,19 @@ def _pages(caches, block_ids) -> list[bytes]:
             for b in block_ids]
 
 
-@pytest.fixture(params=["pages", "rows", "shm"])
+@pytest.fixture(params=["pages", "rows", "shm", "tier"])
 def store(request, tmp_path):
     """A disk store, which reads blocks straight into the pages on CPU
-    (``reads_into_parts``), a tier of two disk stores, which does not:
-    loads go through host rows, and an shm store, which also writes blocks
-    straight from the pages (``writes_from_parts``): on CPU its saves skip
-    the writer."""
-    if request.param == "pages":
+    (``reads_into_parts``); the same with that switched off, as for a store
+    that cannot: loads go through host rows; an shm store, which also
+    writes blocks straight from the pages (``writes_from_parts``): on CPU
+    its saves skip the writer; and a tier of two disk stores, whose tiers
+    each read into the pages."""
+    if request.param in ("pages", "rows"):
         s = open_store(f"disk://{tmp_path}/store")
-    elif request.param == "rows":
+        if request.param == "rows":
+            s.reads_into_parts = False
+    elif request.param == "tier":
         s = open_store([f"disk://{tmp_path}/top", f"disk://{tmp_path}/bottom"], write_mode="sync")
     else:
         s = open_store(f"shm://w{uuid.uuid4().hex[:12]}?capacity=256MiB&runtime_dir={tmp_path}")
