@@ -254,6 +254,35 @@ def test_a_tier_over_shm_saves_straight_from_the_pages_and_the_lower_tier_gets_t
         loader.close()
 
 
+def test_a_re_save_replaces_the_stored_block_through_the_writer(store, monkeypatch):
+    """A re-save (``overwrite``: the request recomputed blocks after a
+    failed load) deletes what the store holds and puts the new KV, also
+    where saves otherwise go straight from the pages: its delete stays on
+    the writer."""
+    from ucm_connector import saves as saves_mod
+
+    jobs: list[int] = []
+    write = saves_mod.Saves._write
+    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (jobs.append(len(job[0])), write(self, job)))
+    old, new = _caches(16), _caches(17)
+    keys = _keys(2)
+    first = _worker(store, old)
+    first.save([BlockPlan("r", [0, 1], keys)])
+    assert first.flush(10)
+    first.close()
+    second = _worker(store, new)
+    second.save([BlockPlan("r", [0, 1], keys, overwrite=True)])
+    assert second.flush(10)
+    second.close()
+    assert jobs[-1] == 2
+    dst = _caches(18)
+    loader = _worker(store, dst)
+    loader.load([BlockPlan("q", [10, 11], keys)])
+    assert loader.take_load_errors() == set()
+    assert _pages(dst, [10, 11]) == _pages(new, [0, 1])
+    loader.close()
+
+
 def test_a_stopped_shm_server_refuses_a_direct_save_and_the_next_go_through_the_writer(tmp_path, monkeypatch):
     """A real shm server, SIGSTOPped: the save straight from the pages
     waits the store's timeout, is refused and counted; once the server runs

@@ -10,8 +10,10 @@ store has are skipped; a full backlog skips saves rather than wait; KV
 computed on a page whose load failed is never saved.
 
 On CPU, a store that writes a value from several buffers
-(``writes_from_parts``: shm) instead takes the blocks straight from the
-pages in ``wait_for_save`` (one copy, not two); after it refuses a save,
+(``writes_from_parts``: shm, or a tier over shm) instead takes the blocks
+straight from the pages in ``wait_for_save`` (one copy, not two), unless
+the step re-saves blocks (their deletes stay on the writer); after it
+refuses a save,
 saves go through the writer for ``DIRECT_SAVE_PAUSE_S``, twice as long
 after each further refusal in a row.
 
@@ -91,8 +93,8 @@ class Saves(BlockIO):
         # Jobs: (keys, rows, their copy, keys whose stored value is replaced).
         self._writer = JobThread(self._write, name="ucm-save-writer")
         # On CPU, a store that writes a value from several buffers
-        # (``writes_from_parts``: shm) takes the blocks straight from the
-        # pages, one copy instead of two (``_put_direct``).
+        # (``writes_from_parts``: shm, a tier over shm) takes the blocks
+        # straight from the pages, one copy instead of two (``_put_direct``).
         self.direct = self.transfer.pages_contiguous and self.store.writes_from_parts
         self._direct_paused_until = 0.0
         self._direct_pause = DIRECT_SAVE_PAUSE_S
@@ -219,10 +221,11 @@ class Saves(BlockIO):
                 self.stats.add(save_seconds=time.perf_counter() - t0)
                 return
             # The layer gather failed: the blocks are gathered whole below.
-        if todo and self.direct and self._writer.idle() and time.monotonic() >= self._direct_paused_until:
-            # Behind the writer's jobs it would race their deletes and puts.
-            self._put_direct([block_ids[i] for i in todo], [keys[i] for i in todo],
-                             [keys[i] for i in todo if overwrite[i]])
+        if (todo and self.direct and not any(overwrite[i] for i in todo) and self._writer.idle()
+                and time.monotonic() >= self._direct_paused_until):
+            # Behind the writer's jobs it would race their deletes and puts;
+            # a re-save's delete (a tier's waits for its backlog) stays there.
+            self._put_direct([block_ids[i] for i in todo], [keys[i] for i in todo])
             if skipped:
                 self.stats.add(skipped_saves=skipped)
             self.stats.add(save_seconds=time.perf_counter() - t0)
@@ -274,7 +277,7 @@ class Saves(BlockIO):
                           [row_of[i] for i in todo]))
         return True
 
-    def _put_direct(self, block_ids: list[int], keys: list[bytes], replace: list[bytes]) -> None:
+    def _put_direct(self, block_ids: list[int], keys: list[bytes]) -> None:
         """Put the blocks straight from their pages, on the engine thread,
         before ``wait_for_save`` returns (vLLM may reuse the pages in the
         next step): the store copies each page once, and each block's
@@ -291,8 +294,6 @@ class Saves(BlockIO):
                                                   hasher.intdigest(), key=keys[i])
 
         try:
-            if replace:
-                self.store.delete(replace)
             stored = self.store.put_parts(keys, parts, seal)
         except Exception as exc:
             self.report.failed("store save", exc)
