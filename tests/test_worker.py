@@ -180,7 +180,8 @@ def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer
     engine thread.  Once it refuses one (full, or not answering), saves go
     through the writer for ``DIRECT_SAVE_PAUSE_S`` (longer after each
     refusal in a row), so a store that stopped answering holds up the
-    engine thread once, not every step; then they go straight again.  Every block that was not refused arrives whole."""
+    engine thread once, not every step; then they go straight again.
+    Every block that was not refused arrives whole."""
     from ucm_connector import saves as saves_mod
 
     store = open_store(f"shm://w{uuid.uuid4().hex[:12]}?capacity=64MiB&runtime_dir={tmp_path}")
