@@ -96,7 +96,8 @@ def bench_store(url: str | list[str], args, caches) -> dict:
     out = np.empty_like(rows)
     views = [memoryview(r) for r in rows]
     out_views = [memoryview(r) for r in out]
-    t = {k: [] for k in ("save", "save_writer", "engine", "engine_writer", "save_layers", "load", "rows", "put", "get", "gather", "scatter", "seal", "check")}
+    t = {k: [] for k in ("save", "save_writer", "engine", "engine_writer", "save_layers", "load", "rows",
+                         "put", "get", "gather", "scatter", "seal", "check")}
     src = list(range(n))
     dst = list(range(n, 2 * n))
     for rep in range(args.warmup + args.reps):
@@ -174,7 +175,8 @@ def bench_store(url: str | list[str], args, caches) -> dict:
             pool_rows.release()
         if keep:
             for k, v in (("save", t_save), ("save_writer", t_save_writer), ("engine", t_engine),
-                         ("engine_writer", t_engine_writer), ("save_layers", t_save_layers), ("load", t_load), ("rows", t_rows), ("put", t_put), ("get", t_get),
+                         ("engine_writer", t_engine_writer), ("save_layers", t_save_layers), ("load", t_load),
+                         ("rows", t_rows), ("put", t_put), ("get", t_get),
                          ("gather", t_gather), ("scatter", t_scatter), ("seal", t_seal), ("check", t_check)):
                 t[k].append(v)
     for name, view in caches.items():
@@ -185,7 +187,8 @@ def bench_store(url: str | list[str], args, caches) -> dict:
     store.close()
     gbps = {k: nbytes / _median(v) / 1e9 for k, v in t.items()}
     return {
-        "store": "tier" if isinstance(url, list) else url.split(":")[0], "blocks": n, "block_mb": payload / 1e6, "gbps": gbps,
+        "store": "tier" if isinstance(url, list) else url.split(":")[0], "blocks": n, "block_mb": payload / 1e6,
+        "gbps": gbps,
         "save_ratio": _median([p / s for p, s in zip(t["put"], t["save"])]),
         "writer_ratio": _median([p / s for p, s in zip(t["put"], t["save_writer"])]),
         "direct": direct,
