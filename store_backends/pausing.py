@@ -44,8 +44,10 @@ class PausingStore(KVStore):
     """``inner``, not asked for a while after its medium stopped answering."""
 
     def __init__(self, inner: KVStore, *, min_pause_s: float = MIN_PAUSE_S, max_pause_s: float = MAX_PAUSE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_pause: Callable[[], object] | None = None) -> None:
         self.inner = inner
+        # Called once each time a run of failures begins (a metric).
+        self._on_pause = on_pause
         self.url = inner.url
         self.min_pause_s = min_pause_s
         self.max_pause_s = max_pause_s
@@ -89,6 +91,8 @@ class PausingStore(KVStore):
                 self._since = now
                 logger.warning("store %s stopped answering (%s); not asked for %.1f s, then probed in the "
                                "background until it answers", self.url, exc, self._pause)
+                if self._on_pause is not None:
+                    self._on_pause()
             self._paused_until = now + self._pause
             self._pause = min(2 * self._pause, self.max_pause_s)
             if self._prober is None:
@@ -196,12 +200,13 @@ class PausingStore(KVStore):
         return getattr(self.inner, name)
 
 
-def pause_unavailable(store: KVStore) -> KVStore:
+def pause_unavailable(store: KVStore, on_pause: Callable[[], object] | None = None) -> KVStore:
     """``store`` wrapped in a ``PausingStore``; for a tier, each of its tiers
-    in place (a hung lower tier must not pause the fast one)."""
+    in place (a hung lower tier must not pause the fast one).  ``on_pause``
+    is called each time one of them begins a pause."""
     tiers = getattr(store, "stores", None)
     if isinstance(tiers, list) and tiers:
         for i, tier in enumerate(tiers):
-            tiers[i] = pause_unavailable(tier)
+            tiers[i] = pause_unavailable(tier, on_pause)
         return store
-    return store if isinstance(store, PausingStore) else PausingStore(store)
+    return store if isinstance(store, PausingStore) else PausingStore(store, on_pause=on_pause)

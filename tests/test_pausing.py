@@ -60,7 +60,8 @@ def _answers(store) -> bool:
 def test_a_hung_server_is_asked_once_then_paused_and_used_again_once_it_answers(private_server):
     url = f"redis://:s3cret-pw@127.0.0.1:{private_server.port}/0?timeout=0.3"
     inner = open_store(url)
-    store = PausingStore(inner, min_pause_s=0.5, max_pause_s=2.0)
+    pauses = []
+    store = PausingStore(inner, min_pause_s=0.5, max_pause_s=2.0, on_pause=lambda: pauses.append(1))
     assert store.put([b"k"], [b"v"]) == [True]
     calls = Calls(inner)
     os.kill(private_server.proc.pid, signal.SIGSTOP)
@@ -85,10 +86,12 @@ def test_a_hung_server_is_asked_once_then_paused_and_used_again_once_it_answers(
         with pytest.raises(StoreUnavailableError):
             store.contains([b"k"])
         assert calls.count == 1
+        assert pauses == [1]        # one run of failures, however long
     finally:
         os.kill(private_server.proc.pid, signal.SIGCONT)
     _wait_until(lambda: _answers(store), 10, "the store was not used again after its server came back")
     assert store.get([b"k"]) == [b"v"]
+    assert pauses == [1]
     assert store.stats().num_blocks is not None      # never paused
     store.close()
 
@@ -131,13 +134,26 @@ def test_in_a_tier_only_the_hung_tier_is_paused(tmp_path, private_server):
     top.inner.shutdown_server()
 
 
-def test_the_connector_opens_every_medium_behind_a_pause(tmp_path):
+def test_the_connector_opens_every_medium_behind_a_pause_and_counts_pauses(tmp_path, private_server):
     from ucm_connector.config import UCMConfig
     from ucm_connector.connector import _open_store
+    from ucm_connector.counters import StatsCollector
 
     one = _open_store(UCMConfig.from_extra_config({"store": f"disk://{tmp_path}/one"}))
     assert isinstance(one, PausingStore) and one.url == f"disk://{tmp_path}/one"
     one.close()
+    stats = StatsCollector()
+    url = f"redis://:s3cret-pw@127.0.0.1:{private_server.port}/0?timeout=0.3"
+    redis = _open_store(UCMConfig.from_extra_config({"store": url}), stats)
+    os.kill(private_server.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            with pytest.raises(StoreUnavailableError):
+                redis.contains([b"k"])
+    finally:
+        os.kill(private_server.proc.pid, signal.SIGCONT)
+    assert stats.totals()["store_pauses"] == 1
+    redis.close()
     tier = _open_store(UCMConfig.from_extra_config({"store": [f"disk://{tmp_path}/a", f"disk://{tmp_path}/b"]}))
     assert all(isinstance(t, PausingStore) for t in tier.stores)
     tier.close()

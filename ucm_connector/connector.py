@@ -116,14 +116,15 @@ def _tp_union(block_ids: set[int]) -> set[int]:
     return {b for part in gathered for b in part}
 
 
-def _open_store(config: UCMConfig):
+def _open_store(config: UCMConfig, stats: StatsCollector | None = None):
     """The configured store; a medium (a tier) that stops answering is not
     asked again for a while, so the engine waits a store's timeout once,
-    not on every call (``store_backends.pausing``)."""
+    not on every call (``store_backends.pausing``; counted in ``stats``)."""
     urls = config.store_urls
+    on_pause = None if stats is None else (lambda: stats.add(store_pauses=1))
     if len(urls) == 1:
-        return pause_unavailable(open_store(urls[0]))
-    return pause_unavailable(open_store(urls, write_mode=config.tier_write_mode))
+        return pause_unavailable(open_store(urls[0]), on_pause)
+    return pause_unavailable(open_store(urls, write_mode=config.tier_write_mode), on_pause)
 
 
 class UCMConnector(KVConnectorBase_V1):
@@ -140,7 +141,7 @@ class UCMConnector(KVConnectorBase_V1):
         with_events = events_enabled(vllm_config)
         auto = self.config.load_policy == "auto" and self._load_enabled
         try:
-            self.store = _open_store(self.config)
+            self.store = _open_store(self.config, self.stats)
         except StoreError as exc:
             raise RuntimeError(f"ucm-connector cannot start: {exc}") from None
         if role == KVConnectorRole.SCHEDULER:

@@ -57,6 +57,9 @@ TABLE: tuple[Counter, ...] = (
             "Blocks that failed to load (missing, corrupt or store down) and were recomputed."),
     Counter("store_errors", "vllm:ucm_store_errors", "operations",
             "Store operations that failed (the engine carried on without them)."),
+    Counter("store_pauses", "vllm:ucm_store_pauses", "pauses",
+            "Times a store (or a tier of it) stopped answering and was then not asked for a while, "
+            "so that each costs one timeout, not one per call."),
     *(Counter(f"unloaded_hit_tokens_{reason}", "vllm:ucm_unloaded_hit_tokens", "tokens", _UNLOADED_HELP,
               reason=reason) for reason in REASONS),
 )
