@@ -173,7 +173,7 @@ class TieredStore(KVStore):
 
     @property
     def writes_from_parts(self) -> bool:  # type: ignore[override]
-        return self.stores[0].writes_from_parts and self.write_mode == "async"
+        return self.write_mode == "async" and len(self.stores) > 1 and self.stores[0].writes_from_parts
 
     def put_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Buffer]],
                   before_value: Callable[[int], object] | None = None) -> list[bool]:
@@ -201,10 +201,11 @@ class TieredStore(KVStore):
             if before_value is not None:
                 before_value(i)     # the first tier may not have called it
             values.append(b"".join(byte_view(p) for p in parts[i]))
+        kept_keys = [keys[i] for i in kept]
+        kept_nbytes = sum(byte_view(p).nbytes for i in kept for p in parts[i])
         for tier in range(1, len(self.stores)):
             if kept:
-                self._enqueue(tier, [keys[i] for i in kept], None,
-                              sum(byte_view(p).nbytes for i in kept for p in parts[i]))
+                self._enqueue(tier, kept_keys, None, kept_nbytes)
             if refused:
                 self._enqueue(tier, [keys[i] for i in refused], values)
         return stored
@@ -236,13 +237,22 @@ class TieredStore(KVStore):
             self._num_misses += len(todo)
         return found
 
-    def _promote(self, tier: int, keys: list[bytes], values: list[bytes]) -> None:
-        if not self.promote or tier == 0 or not keys:
+    def _promote(self, tier: int, keys: list[bytes], positions: list[int], hit: list[bool],
+                 value_of: Callable[[int], bytes]) -> None:
+        """Queue for the tiers above ``tier`` the values it had (``hit`` at
+        ``positions``); ``value_of(i)`` is called only for those, so a
+        first-tier hit copies nothing."""
+        if not self.promote or tier == 0:
+            return
+        got = [i for i, h in zip(positions, hit) if h]
+        if not got:
             return
         with self._lock:
-            self._num_promoted += len(keys)
+            self._num_promoted += len(got)
+        hit_keys = [keys[i] for i in got]
+        values = [value_of(i) for i in got]
         for upper in range(tier):
-            self._enqueue(upper, keys, values)
+            self._enqueue(upper, hit_keys, values)
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         check_batch(keys, buffers, "buffers")
@@ -250,11 +260,7 @@ class TieredStore(KVStore):
 
         def read_tier(tier: int, positions: list[int]) -> list[bool]:
             hit = self.stores[tier].get_into([keys[i] for i in positions], [buffers[i] for i in positions])
-            if tier > 0 and self.promote:
-                # Copies for the upper tiers only where there are some: a
-                # first-tier hit copies nothing more.
-                got = [i for i, h in zip(positions, hit) if h]
-                self._promote(tier, [keys[i] for i in got], [bytes(buffers[i]) for i in got])
+            self._promote(tier, keys, positions, hit, lambda i: bytes(buffers[i]))
             return hit
 
         return self._read(keys, read_tier)
@@ -280,9 +286,7 @@ class TieredStore(KVStore):
             called = None if on_value is None else (lambda j: on_value(positions[j]))
             hit = self.stores[tier].get_into_parts([keys[i] for i in positions], [parts[i] for i in positions],
                                                    called)
-            if tier > 0 and self.promote:
-                got = [i for i, h in zip(positions, hit) if h]
-                self._promote(tier, [keys[i] for i in got], [b"".join(parts[i]) for i in got])
+            self._promote(tier, keys, positions, hit, lambda i: b"".join(parts[i]))
             return hit
 
         return self._read(keys, read_tier)
@@ -294,11 +298,11 @@ class TieredStore(KVStore):
 
         def read_tier(tier: int, positions: list[int]) -> list[bool]:
             got = self.stores[tier].get([keys[i] for i in positions])
-            hits = [i for i, v in zip(positions, got) if v is not None]
             for i, v in zip(positions, got):
                 values[i] = v
-            self._promote(tier, [keys[i] for i in hits], [values[i] for i in hits])  # type: ignore[misc]
-            return [v is not None for v in got]
+            hit = [v is not None for v in got]
+            self._promote(tier, keys, positions, hit, values.__getitem__)  # type: ignore[arg-type]
+            return hit
 
         self._read(keys, read_tier)
         return values
