@@ -93,12 +93,17 @@ class PausingStore(KVStore):
                                "background until it answers", self.url, exc, self._pause)
                 if self._on_pause is not None:
                     self._on_pause()
-            self._paused_until = now + self._pause
-            self._pause = min(2 * self._pause, self.max_pause_s)
+            self._pause_again(now)
             if self._prober is None:
                 self._prober = threading.Thread(target=self._probe, name="ucm-store-probe", daemon=True)
                 self._prober.start()
             self._wake.notify_all()
+
+    def _pause_again(self, now: float) -> None:
+        """Pause from ``now``; the next pause of the run is twice as long
+        (held: ``_lock``)."""
+        self._paused_until = now + self._pause
+        self._pause = min(2 * self._pause, self.max_pause_s)
 
     def _succeeded(self) -> None:
         if not self._paused and self._pause == self.min_pause_s:
@@ -123,8 +128,7 @@ class PausingStore(KVStore):
                 self.inner.contains([PROBE_KEY])
             except StoreUnavailableError:
                 with self._lock:
-                    self._paused_until = self._clock() + self._pause
-                    self._pause = min(2 * self._pause, self.max_pause_s)
+                    self._pause_again(self._clock())
                 continue
             except Exception:  # noqa: BLE001 - any other answer is an answer
                 pass

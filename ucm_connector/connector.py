@@ -121,10 +121,8 @@ def _open_store(config: UCMConfig, stats: StatsCollector | None = None):
     asked again for a while, so the engine waits a store's timeout once,
     not on every call (``store_backends.pausing``; counted in ``stats``)."""
     urls = config.store_urls
-    on_pause = None if stats is None else (lambda: stats.add(store_pauses=1))
-    if len(urls) == 1:
-        return pause_unavailable(open_store(urls[0]), on_pause)
-    return pause_unavailable(open_store(urls, write_mode=config.tier_write_mode), on_pause)
+    store = open_store(urls[0]) if len(urls) == 1 else open_store(urls, write_mode=config.tier_write_mode)
+    return pause_unavailable(store, None if stats is None else (lambda: stats.add(store_pauses=1)))
 
 
 class UCMConnector(KVConnectorBase_V1):
