@@ -55,6 +55,16 @@ def _pages(caches, block_ids) -> list[bytes]:
             for b in block_ids]
 
 
+def _writer_jobs(monkeypatch) -> list[int]:
+    """The number of blocks in each job the save writer gets, in order."""
+    from ucm_connector import saves as saves_mod
+
+    jobs: list[int] = []
+    write = saves_mod.Saves._write
+    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (jobs.append(len(job[0])), write(self, job)))
+    return jobs
+
+
 @pytest.fixture(params=["pages", "rows", "shm", "tier"])
 def store(request, tmp_path):
     """A disk store, which reads blocks straight into the pages on CPU
@@ -153,9 +163,7 @@ def test_a_save_goes_to_the_writer_in_parts_and_every_block_arrives(store, devic
     still arrives whole, in its own key."""
     from ucm_connector import saves as saves_mod
 
-    parts: list[int] = []
-    write = saves_mod.Saves._write
-    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (parts.append(len(job[0])), write(self, job)))
+    parts = _writer_jobs(monkeypatch)
     src = _caches(6, device)
     saver = _worker(store, src)
     monkeypatch.setattr(saves_mod, "SAVE_PART_NBYTES", 2 * saver.payload_nbytes)
@@ -195,9 +203,7 @@ def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer
         return put_parts(self, keys, parts, before_value)
 
     monkeypatch.setattr(type(store), "put_parts", refusing)
-    jobs: list[int] = []
-    write = saves_mod.Saves._write
-    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (jobs.append(len(job[0])), write(self, job)))
+    jobs = _writer_jobs(monkeypatch)
     src = _caches(11)
     w = _worker(store, src)
     keys = _keys(6)
@@ -260,11 +266,7 @@ def test_a_re_save_replaces_the_stored_block_through_the_writer(store, monkeypat
     failed load) deletes what the store holds and puts the new KV, also
     where saves otherwise go straight from the pages: its delete stays on
     the writer."""
-    from ucm_connector import saves as saves_mod
-
-    jobs: list[int] = []
-    write = saves_mod.Saves._write
-    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (jobs.append(len(job[0])), write(self, job)))
+    jobs = _writer_jobs(monkeypatch)
     old, new = _caches(16), _caches(17)
     keys = _keys(2)
     first = _worker(store, old)
@@ -292,11 +294,7 @@ def test_a_stopped_shm_server_refuses_a_direct_save_and_the_next_go_through_the_
     import os
     import signal
 
-    from ucm_connector import saves as saves_mod
-
-    jobs: list[int] = []
-    write = saves_mod.Saves._write
-    monkeypatch.setattr(saves_mod.Saves, "_write", lambda self, job: (jobs.append(len(job[0])), write(self, job)))
+    jobs = _writer_jobs(monkeypatch)
     store = open_store(f"shm://w{uuid.uuid4().hex[:12]}?capacity=64MiB&timeout=0.5&runtime_dir={tmp_path}")
     pid = store.stats().extra["server_pid"]
     w = _worker(store, _caches(13))
