@@ -549,7 +549,8 @@ def test_shm_status_and_stop(unique_name):
         assert json.loads(status.stdout)["num_blocks"] == 2
         if keytable.supported():
             assert json.loads(status.stdout)["key_table_live"] == 2
-            assert "key table answers lookups: 2 keys" in ucm("shm", "status", unique_name).stdout
+            text = ucm("shm", "status", unique_name).stdout
+            assert "key table answers lookups: 2 keys" in text and "gets find values from it" in text
         assert unique_name in ucm("shm", "list").stdout
         declined = ucm("shm", "stop", unique_name, input="n\n")
         assert declined.returncode == 1 and server_running(unique_name)

@@ -24,9 +24,10 @@ import pytest
 
 from store_backends import OpenMode, StoreOpenError, StoreUnavailableError, open_store, which_store
 from store_backends import shm_server
-from store_backends.shm import keytable
+from store_backends.shm import keytable, uses
 from store_backends.shm import (ServerStatus, ShmServerNotRunning, ShmStore, UnsafeRuntimeDir, check_runtime_dir,
                                 list_servers, server_running, server_status, stop_server, valid_name)
+from store_backends.process import pid_alive
 from store_backends.shm.protocol import REQUEST, Alloc, Flag, Op, Status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,6 +188,29 @@ def test_put_of_stored_key_keeps_value_unless_overwrite(shm):
         assert store.put([b"k"], [b"third"]) == [True]
         assert store.get([b"k"]) == [b"third"]
         assert store.stats().nbytes == len(b"third")
+
+
+def test_gets_from_published_locations_are_counted_and_used_by_the_server(shm):
+    """Gets answered from the published locations send no request; the
+    server still counts them (at the latest once this many are pending, and
+    when the client closes) and keeps their keys recently used."""
+    url = shm.url(capacity="32MiB", chunk="4KiB")
+    many = [b"m%05d" % i for i in range(uses.TOUCH_FLUSH_KEYS + 10)]
+    with open_store(url) as reader, open_store(url) as watcher:
+        assert reader.put(many, [value_for(k, 10) for k in many]) == [True] * len(many)
+        before = watcher.stats()
+        assert reader.get(many[:3] + [b"absent"]) == [value_for(k, 10) for k in many[:3]] + [None]
+        values = reader.get(many)
+        assert values == [value_for(k, 10) for k in many]
+        counted = watcher.stats()
+        assert counted.num_gets - before.num_gets == len(many) + 4       # sent once this many were pending
+        assert counted.num_hits - before.num_hits == len(many) + 3
+        assert counted.num_misses - before.num_misses == 1
+        assert reader.get(many[:2]) == [value_for(k, 10) for k in many[:2]]
+        assert reader._uses.local_gets == len(many) + 6
+    with open_store(url) as watcher:
+        assert watcher.stats().num_gets - before.num_gets == len(many) + 6   # sent when the reader closed
+        assert list(watcher.iter_keys(batch=len(many)))[0][-2:] == many[:2]  # the most recently used
 
 
 # ---------------------------------------------------------------- processes
@@ -392,6 +416,9 @@ def test_killed_server_raises_fast_and_embedded_client_restarts_it(shm):
         old = store.stats().extra
         os.kill(old["server_pid"], signal.SIGKILL)
         started = time.monotonic()
+        # Until the process is gone a get may still be answered from its
+        # published locations (its values are intact); after, never.
+        wait_for(lambda: not pid_alive(old["server_pid"]), 2, "the killed server to be gone")
         with pytest.raises(StoreUnavailableError, match=shm.name):
             store.get([b"k"])
         assert time.monotonic() - started < 2.0
@@ -403,7 +430,8 @@ def test_killed_server_raises_fast_and_embedded_client_restarts_it(shm):
         assert store.get([b"k2", b"k"]) == [value_for(b"k2", 70_000), None]
         # The dead server's segments were removed by its successor.
         assert sorted(shm.leftovers()) == sorted(os.path.basename(shm_server.Paths(shm.name).segment(
-            new["epoch"], kind)) for kind in ("data", "gen", "keys") if kind != "keys" or keytable.supported())
+            new["epoch"], kind)) for kind in ("data", "gen", "keys", "where")
+            if kind in ("data", "gen") or keytable.supported())
 
 
 def test_client_of_a_restarted_server_remaps_and_never_reads_old_chunks(shm):
@@ -564,7 +592,8 @@ def test_op_codes_are_an_int_enum_with_the_numbers_on_the_wire():
     assert issubclass(Op, enum.IntEnum)
     assert {op.name: op.value for op in Op} == {
         "HELLO": 1, "CONTAINS": 2, "PREFIX": 3, "GET": 4, "ALLOC": 5, "COMMIT": 6, "ABORT": 7, "DELETE": 8,
-        "STATS": 9, "CLEAR": 10, "SHUTDOWN": 11, "KEYS": 12}
+        "STATS": 9, "CLEAR": 10, "SHUTDOWN": 11, "KEYS": 12, "TOUCH": 13}
+    assert {flag.name: flag.value for flag in Flag} == {"OVERWRITE": 1, "NO_TOUCH": 2, "TOUCHED": 4}
     assert issubclass(Status, enum.IntEnum) and issubclass(Alloc, enum.IntEnum)
     assert issubclass(Flag, enum.IntFlag)
     assert REQUEST.unpack(REQUEST.pack(Op.GET, Flag.NO_TOUCH, 0, 1, 0, 0))[:2] == (Op.GET, Flag.NO_TOUCH)

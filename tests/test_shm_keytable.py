@@ -8,6 +8,7 @@ and never from a table its dead server left behind."""
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from store_backends import OpenMode, StoreUnavailableError, open_store
-from store_backends.shm import keytable
+from store_backends.shm import keytable, locations
 from store_backends.shm.index import ChunkIndex
 from store_backends.shm.keytable import KeyTableReader, KeyTableWriter, fingerprints
 from store_backends.shm.protocol import Alloc, Status, pack_keys
@@ -108,26 +109,39 @@ def test_the_table_answers_as_the_index_does_through_every_change():
     assert rebuilds > 3 and seen["off"] and seen["on_again"], (rebuilds, seen)
 
 
-def test_lookups_are_answered_while_the_server_cannot_answer(shm):
-    """A stopped (SIGSTOP) server answers no request, so lookups that asked
-    it would fail after ``timeout``; they are answered from the table,
-    including what another client changed just before."""
+def test_lookups_and_gets_are_answered_while_the_server_cannot_answer(shm):
+    """A stopped (SIGSTOP) server answers no request, so lookups and gets
+    that asked it would fail after ``timeout``; they are answered from the
+    key table and the published locations, including what another client
+    changed just before.  Only a value the locations cannot prove (here a
+    key longer than they hold) asks the server.  The gets reach the
+    server's counters once it answers again."""
+    long_key = b"L" * (locations.KEY_MAX + 1)
     with open_store(shm.url(capacity="1MiB", chunk="4KiB", timeout="1")) as store, \
             open_store(shm.url(capacity="1MiB", chunk="4KiB", timeout="1")) as other:
         keys = [b"blk%04d" % i for i in range(40)]
-        assert store.put(keys[:30], [value_for(k, 100) for k in keys[:30]]) == [True] * 30
+        assert store.put(keys[:30] + [long_key], [value_for(k, 100) for k in keys[:30] + [long_key]]) == [True] * 31
         other.delete([keys[5]])
-        pid = store.stats().extra["server_pid"]
+        before = store.stats()
+        pid = before.extra["server_pid"]
         os.kill(pid, signal.SIGSTOP)
         try:
             assert store.contains(keys) == [i < 30 and i != 5 for i in range(40)]
             assert store.prefix_len(keys) == 5
             assert other.prefix_len(keys[6:]) == 24
+            assert other.get(keys[:8]) == [None if i == 5 else value_for(k, 100) for i, k in enumerate(keys[:8])]
+            out = np.zeros(100, np.uint8)
+            assert other.get_into([keys[29]], [out]) == [True] and out.tobytes() == value_for(keys[29], 100)
+            assert other.get([keys[35]]) == [None]
             with pytest.raises(StoreUnavailableError):
-                store.get([keys[0]])          # a get does ask: the server is what it waits on
+                store.get([long_key])          # not in the locations: asks, and the server is what it waits on
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert store.stats().extra["key_table_live"] == 29
+        assert other.stats().extra["local_gets"] == 10
+        after = store.stats()
+        assert after.extra["key_table_live"] == 30
+        assert after.num_hits - before.num_hits >= 8
+        assert after.num_gets - before.num_gets >= 10
 
 
 def test_a_dead_servers_table_is_never_read(shm):
@@ -153,3 +167,90 @@ def test_table_size_follows_the_chunks_within_bounds():
     assert keytable.table_slots(1) == keytable.MIN_SLOTS
     assert keytable.table_slots(1 << 30) == keytable.MAX_SLOTS   # tiny chunks: the table stays bounded
     assert all(s & (s - 1) == 0 for s in map(keytable.table_slots, (3, 1000, 5000, 123457)))
+
+
+def test_published_locations_prove_only_current_values_through_every_change():
+    """The locations a client reads beside the key table, against the
+    server's own index as the model, through random puts (of one or several
+    chunks, some in several runs once the free space is fragmented),
+    overwrites, deletes, evictions, rebuilds and clears.  After each step
+    every stored key of one run is located exactly where the index keeps
+    it, and every location read through a slot remembered from any earlier
+    step is either refused or the key's current one: never another key's
+    value, nor a value since freed."""
+    num_chunks, chunk = 24, 64
+    index = ChunkIndex(num_chunks=num_chunks, chunk_nbytes=chunk, lease_timeout_s=60)
+    index.gen = np.zeros(num_chunks, np.uint64)
+    index.table, table = _table(64)
+    buf = bytearray(locations.segment_nbytes(64, num_chunks))
+    index.where = locations.LocationWriter(buf, 64, num_chunks)
+    reader = locations.LocationReader(buf, 64, num_chunks)
+    universe = [b"key-%03d" % i for i in range(200)]
+    fps = fingerprints(universe)
+    rng = random.Random(3)
+    remembered: set[tuple[int, int]] = set()       # (key number, slot) seen at any step
+    seen = collections.Counter()
+    for step in range(1200):
+        roll = rng.random()
+        if roll < 0.7:
+            picked = rng.sample(universe, rng.randint(1, 4))
+            key_len, frames = pack_keys(picked)
+            sizes = np.array([rng.choice([1, 64, 65, 200, 300]) for _ in picked], np.int64).tobytes()
+            status, out = index.op_alloc(int(rng.random() < 0.3), key_len, os.getpid(), [*frames, sizes])
+            lease = int.from_bytes(out[0], "little", signed=True)
+            if lease:
+                assert index.op_commit(0, 0, lease, [])[0] == Status.OK
+        elif roll < 0.97:
+            key_len, frames = pack_keys(rng.sample(universe, rng.randint(1, 5)))
+            index.op_delete(0, key_len, 0, frames)
+        else:
+            index.op_clear(0, 0, 0, [])
+        slots = table.find(fps)
+        assert slots is not None
+        for k, key in enumerate(universe):
+            entry = index.index.get(key)
+            if entry is None:
+                assert slots[k] == -1
+                continue
+            remembered.add((k, int(slots[k])))
+            got = reader.locate([key], slots[k:k + 1], index.gen, chunk)
+            if entry.nruns == 1:
+                assert got is not None, (step, key)
+                assert [int(x[0]) for x in got] == [entry.first, entry.size, entry.gen]
+                seen["one run"] += 1
+            else:
+                assert got is None
+                seen["several runs"] += 1
+        for k, slot in remembered:
+            key = universe[k]
+            got = reader.locate([key], np.array([slot]), index.gen, chunk)
+            if got is None:
+                seen["stale slot refused"] += slot != int(slots[k])
+                continue
+            entry = index.index.get(key)
+            assert entry is not None and [int(x[0]) for x in got] == [entry.first, entry.size, entry.gen], (step, key)
+    assert seen["one run"] > 1000 and seen["several runs"] > 20 and seen["stale slot refused"] > 1000, seen
+    assert index.counters["evictions"] > 50
+    assert int(index.table.header[1]) // 2 > 3          # rebuilds, which move every key's slot
+
+
+def test_a_record_being_written_or_of_another_key_is_refused():
+    buf = bytearray(locations.segment_nbytes(16, 8))
+    writer = locations.LocationWriter(buf, 16, 8)
+    reader = locations.LocationReader(buf, 16, 8)
+    gen = np.zeros(8, np.uint64)
+    gen[3] = 5
+    writer.publish(np.array([2]), np.array([3]), [b"alpha"], np.array([100]), np.array([5], np.uint64))
+    assert [int(x[0]) for x in reader.locate([b"alpha"], np.array([2]), gen, 64)] == [3, 100, 5]
+    assert reader.locate([b"alphb"], np.array([2]), gen, 64) is None          # another key
+    assert reader.locate([b"alph"], np.array([2]), gen, 64) is None           # a prefix of it
+    assert reader.locate([b"alpha", b"x" * 65], np.array([2, 2]), gen, 64) is None   # too long to hold
+    writer.records["ver"][3] += np.uint64(1)                                   # a write under way
+    assert reader.locate([b"alpha"], np.array([2]), gen, 64) is None
+    writer.records["ver"][3] += np.uint64(1)
+    gen[3] += np.uint64(1)                                                     # chunk 3 freed since
+    assert reader.locate([b"alpha"], np.array([2]), gen, 64) is None
+    writer.forget(2)
+    assert reader.locate([b"alpha"], np.array([2]), gen, 64) is None
+    with pytest.raises(ValueError, match="does not match"):
+        locations.LocationReader(buf, 16, 4)

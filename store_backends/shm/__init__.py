@@ -16,6 +16,12 @@ One index server per NAME and host owns the index; the values live in a
 * ``connection``: a client's sockets, deadlines and reconnects;
 * ``launch``: a client starting a server;
 * ``segments``: a client mapping a server's segments, with the checks;
+* ``keytable``: the key fingerprints a server publishes, so that lookups
+  need no request;
+* ``locations``: where stored values live, published beside the key table,
+  so that gets need no request;
+* ``uses``: the gets and late misses a client owes its server's counters;
+* ``copies``: copying values between buffers and the data segment;
 * ``admin``: the public admin API for operators: ``list_servers``,
   ``server_running``, ``server_status`` (a ``ServerStatus``),
   ``stop_server``, ``check_runtime_dir``, ``valid_name``.

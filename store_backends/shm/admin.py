@@ -63,6 +63,7 @@ class ServerStatus:
     key_table_live: int | None = None
     key_table_used: int | None = None
     key_table_active: bool | None = None
+    where_path: str | None = None
     gets: int = 0
     hits: int = 0
     misses: int = 0

@@ -5,9 +5,12 @@ small index server (``server``, one per NAME, started on demand and detached
 so it outlives the process that started it) owns the LRU index and hands out
 chunks of the segment.  This module owns the store's operations: it parses
 the URL, packs the requests of put, get, lookups and deletes, answers
-lookups from the server's key table (``keytable``) when it can, copies values
-between the caller's buffers and the segment (once, with no intermediate
-buffer), and checks the chunk generations after each read so that a value
+lookups from the server's key table (``keytable``) and finds the values of
+gets from its published locations (``locations``) when it can, telling the
+server of those uses later in one message (``Op.TOUCH``, or along with the
+next put's ALLOC, so that LRU order holds for its own puts; ``uses`` keeps
+what is owed), copies values between the caller's buffers and the segment
+(once, with no intermediate buffer; ``copies``), and checks the chunk generations after each read so that a value
 overwritten or evicted during the copy is a miss, never a wrong value.  It
 must not keep the index or decide evictions (the server's), define the wire
 format (``protocol``) or the file layout (``paths``), nor handle sockets,
@@ -52,7 +55,6 @@ from __future__ import annotations
 import array
 import json
 import os
-import threading
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -68,7 +70,9 @@ from .keytable import fingerprints
 from .launch import ServerSettings
 from .paths import Paths, name_arg, valid_name
 from .protocol import DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, Alloc, Flag, Op, Status, pack_keys, unpack_keys
+from .copies import copy, copy_run_into_parts, value_slices
 from .segments import Segments
+from .uses import Uses
 
 # URL option -> (keyword of ShmStore, how its text is read).
 _OPTIONS = {
@@ -88,50 +92,8 @@ _ALLOC_PRESENT = int(Alloc.PRESENT)
 _ALLOC_FAILED = int(Alloc.FAILED)
 
 
-#: Copies at least this large go through numpy, which drops the GIL.
-_NUMPY_COPY_MIN = 65536
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src``, letting other threads run meanwhile: numpy drops the
-    GIL for a large copy, a memoryview assignment does not (a caller may read
-    the next blocks on one thread while it copies the last ones on another)."""
-    if src.nbytes >= _NUMPY_COPY_MIN:
-        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-    else:
-        dst[:] = src
-
-
-def _copy_run_into_parts(dsts: list[memoryview], data: memoryview, off: int) -> None:
-    """Copy the value that starts at ``off`` in the segment, one run of
-    chunks, into ``dsts`` in order (a block into its header and pages): one
-    view of the source, and per part only what the part needs."""
-    src = np.frombuffer(data, np.uint8, count=sum(d.nbytes for d in dsts), offset=off)
-    pos = 0
-    for dst in dsts:
-        n = dst.nbytes
-        if n >= _NUMPY_COPY_MIN:
-            np.copyto(np.frombuffer(dst, np.uint8), src[pos:pos + n])
-        else:
-            dst[:] = data[off + pos:off + pos + n]
-        pos += n
-
-
-def _value_slices(data: memoryview, chunk: int, runs, pos: int, end: int, nbytes: int) -> list[memoryview]:
-    """Views of the segment holding the first ``nbytes`` bytes of a value
-    whose runs are ``runs[pos:end]`` (pairs of first chunk and chunk count),
-    in order."""
-    slices = []
-    done = 0
-    for j in range(pos, end, 2):
-        if done >= nbytes:
-            break
-        n = min(runs[j + 1] * chunk, nbytes - done)
-        off = runs[j] * chunk
-        slices.append(data[off:off + n])
-        done += n
-    return slices
-
+#: How long closing a store waits to send its pending uses.
+_CLOSE_TOUCH_WAIT_S = 0.5
 
 class ShmStore(KVStore):
     """Client of one ``shm://NAME`` store.  Thread-safe: each thread talks to
@@ -178,11 +140,9 @@ class ShmStore(KVStore):
                                   prefault=prefault)
         self._conn = ServerConnection(self.url, self.paths, settings, timeout_s=timeout_s,
                                       open_mode=self.open_mode, server_mode=server)
-        # Reads found torn or mis-sized, told to the server with the next
-        # counted get (late) and reported by stats (torn).
-        self._misses_lock = threading.Lock()
-        self._late_misses = 0
-        self._torn_reads = 0
+        # Gets answered from the published locations, and reads found torn
+        # or mis-sized, not yet told to the server.
+        self._uses = Uses()
         try:
             self._conn.connect()
         except StoreOpenError:
@@ -250,11 +210,18 @@ class ShmStore(KVStore):
         key_len, key_frames = pack_keys(keys)
         sizes = array.array("q", [sum(p.nbytes for p in value_parts) for value_parts in srcs])
         flags = int(Flag.OVERWRITE) if self.overwrite else 0
+        frames = [*key_frames, sizes.tobytes()]
+        uses = self._uses.take(with_late=False)
+        if uses is not None:
+            # This client's gets since its last request, so that the chunks
+            # this put evicts are the least recently used.
+            flags |= Flag.TOUCHED
+            frames += Uses.frames(*uses[:3])
         # One deadline for the waits of both requests; the copy between them
         # is not waiting on the server, so it extends the deadline.
         deadline = self._conn.deadline()
         try:
-            seg, _status, out = self._request(Op.ALLOC, [*key_frames, sizes.tobytes()], key_len=key_len,
+            seg, _status, out = self._request(Op.ALLOC, frames, key_len=key_len,
                                               flags=flags, arg=os.getpid(), deadline=deadline)
         except StoreUnavailableError:
             # put never raises into the hot path for a medium that is gone;
@@ -283,10 +250,10 @@ class ShmStore(KVStore):
                 if nruns[i] == 1:
                     off = runs[pos] * chunk
                     for part in src:
-                        _copy(data[off:off + part.nbytes], part)
+                        copy(data[off:off + part.nbytes], part)
                         off += part.nbytes
                 else:
-                    copy_into_parts(_value_slices(data, chunk, runs, pos, end, size), src, _copy)
+                    copy_into_parts(value_slices(data, chunk, runs, pos, end, size), src, copy)
                 pos = end
         except BaseException:
             try:
@@ -305,11 +272,18 @@ class ShmStore(KVStore):
         return result
 
     def _lookup(self, keys: Sequence[bytes], flags: int = 0):
+        """Where each key's value lives: (segments, sizes (-1: miss),
+        first-chunk generations, first chunks, run counts, runs), from the
+        published locations for a counted get where they prove every hit,
+        else from the server."""
+        if not flags & Flag.NO_TOUCH:
+            local = self._locate(keys)
+            if local is not None:
+                return local
         key_len, key_frames = pack_keys(keys)
         late = 0
         if not flags & Flag.NO_TOUCH:
-            with self._misses_lock:
-                late, self._late_misses = self._late_misses, 0
+            late = self._uses.take_late()
         seg, _status, out = self._request(Op.GET, key_frames, key_len=key_len, arg=late, flags=flags)
         sizes = array.array("q", out[0])
         gens = np.frombuffer(out[1], dtype=np.uint64)
@@ -318,6 +292,52 @@ class ShmStore(KVStore):
         runs = array.array("i", out[4])
         return seg, sizes, gens, firsts, nruns, runs
 
+    def _locate(self, keys: Sequence[bytes]):
+        """``_lookup``'s answer without a request, or None when the
+        published tables cannot give all of it now."""
+        seg = self._conn.mapped()
+        if seg is None or seg.where is None or not pid_alive(seg.server_pid):
+            return None
+        try:
+            fps = fingerprints(keys)
+        except (TypeError, ValueError):
+            return None     # not bytes, or empty: the request path says what is wrong
+        slots = seg.keys.find(fps)
+        if slots is None:
+            return None
+        hit = np.flatnonzero(slots >= 0)
+        hit_keys = keys if len(hit) == len(keys) else [keys[i] for i in hit]
+        found = seg.where.locate(hit_keys, slots[hit], seg.gen, seg.chunk)
+        if found is None:
+            return None
+        hit_firsts, hit_sizes, hit_gens = found
+        n = len(keys)
+        sizes = np.full(n, -1, np.int64)
+        sizes[hit] = hit_sizes
+        gens = np.zeros(n, np.uint64)
+        gens[hit] = hit_gens
+        firsts = np.full(n, -1, np.int32)
+        firsts[hit] = hit_firsts
+        nruns = np.zeros(n, np.int64)
+        nruns[hit] = 1
+        runs = np.empty(2 * len(hit), np.int64)
+        runs[0::2] = hit_firsts
+        runs[1::2] = -(-hit_sizes // seg.chunk)
+        if self._uses.read_locally(hit_keys, n):
+            self._send_uses()
+        return seg, sizes.tolist(), gens, firsts, nruns.tolist(), runs.tolist()
+
+    def _send_uses(self, deadline: float | None = None) -> None:
+        """Tell the server of the pending uses (best effort: uses of a
+        server that does not answer are dropped, as a cache may)."""
+        uses = self._uses.take(with_late=True)
+        if uses is None:
+            return
+        try:
+            self._request(Op.TOUCH, Uses.frames(*uses[:3]), arg=uses[3], bound=False, deadline=deadline)
+        except StoreUnavailableError:
+            pass
+
     @staticmethod
     def _unchanged(seg: Segments, gens: np.ndarray, firsts: np.ndarray) -> list[bool]:
         # A value's chunks are freed together, and freeing bumps every
@@ -325,12 +345,6 @@ class ShmStore(KVStore):
         # any chunk of the value was reused since the lookup.
         current = seg.gen[np.maximum(firsts, 0)]
         return ((current == gens) | (firsts < 0)).tolist()
-
-    def _count_misses(self, late: int, torn: int) -> None:
-        if late or torn:
-            with self._misses_lock:
-                self._late_misses += late
-                self._torn_reads += torn
 
     reads_into_parts = True
 
@@ -370,11 +384,11 @@ class ShmStore(KVStore):
                 continue
             if nruns[i] == 1 and len(dst) == 1:
                 off = runs[pos] * chunk
-                _copy(dst[0], data[off:off + size])
+                copy(dst[0], data[off:off + size])
             elif nruns[i] == 1:
-                _copy_run_into_parts(dst, data, runs[pos] * chunk)
+                copy_run_into_parts(dst, data, runs[pos] * chunk)
             else:
-                copy_into_parts(dst, _value_slices(data, chunk, runs, pos, end, size), _copy)
+                copy_into_parts(dst, value_slices(data, chunk, runs, pos, end, size), copy)
             pos = end
             if on_value is None:
                 copied[i] = True
@@ -388,7 +402,7 @@ class ShmStore(KVStore):
             torn = copied.count(True) - result.count(True)
         else:
             result = copied
-        self._count_misses(late + torn, torn)
+        self._uses.missed_late(late + torn, torn)
         return result
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -409,14 +423,14 @@ class ShmStore(KVStore):
             elif nruns[i] == 0:
                 values[i] = b""
             else:
-                values[i] = b"".join(_value_slices(data, chunk, runs, pos, end, size))
+                values[i] = b"".join(value_slices(data, chunk, runs, pos, end, size))
             pos = end
         torn = 0
         for i, unchanged in enumerate(self._unchanged(seg, gens, firsts)):
             if not unchanged and values[i] is not None:
                 values[i] = None
                 torn += 1
-        self._count_misses(torn, torn)
+        self._uses.missed_late(torn, torn)
         return values
 
     def peek(self, keys: Sequence[bytes], nbytes: int | None = None) -> list[tuple[int, bytes] | None]:
@@ -437,7 +451,7 @@ class ShmStore(KVStore):
                 continue
             end = pos + 2 * nruns[i]
             want = size if nbytes is None else min(nbytes, size)
-            out[i] = (size, b"".join(_value_slices(data, chunk, runs, pos, end, want)))
+            out[i] = (size, b"".join(value_slices(data, chunk, runs, pos, end, want)))
             pos = end
         for i, unchanged in enumerate(self._unchanged(seg, gens, firsts)):
             if not unchanged:
@@ -448,6 +462,7 @@ class ShmStore(KVStore):
         """A snapshot of the server's index, least recently used first."""
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
+        self._send_uses()
         try:
             _seg, _status, out = self._request(Op.KEYS, bound=False)
         except StoreUnavailableError:
@@ -509,9 +524,9 @@ class ShmStore(KVStore):
         self._request(Op.CLEAR, bound=False)
 
     def stats(self) -> StoreStats:
-        with self._misses_lock:
-            late, self._late_misses = self._late_misses, 0
-            torn = self._torn_reads
+        self._send_uses()
+        late = self._uses.take_late()
+        torn = self._uses.torn
         _seg, _status, out = self._request(Op.STATS, arg=late, bound=False)
         info = json.loads(out[0])
         extra = {k: info[k] for k in ("epoch", "pid", "chunk_nbytes", "num_chunks", "free_chunks",
@@ -520,6 +535,7 @@ class ShmStore(KVStore):
                                       "key_table_live", "key_table_used", "key_table_active") if k in info}
         extra["server_pid"] = extra.pop("pid", None)
         extra["torn_reads"] = torn
+        extra["local_gets"] = self._uses.local_gets
         extra["data_path"] = info.get("data_path")
         return StoreStats(
             url=self.url,
@@ -546,4 +562,12 @@ class ShmStore(KVStore):
         return stopped
 
     def close(self) -> None:
+        seg = self._conn.mapped()
+        uses = self._uses.take(with_late=True) if seg is not None and self._uses.pending else None
+        if uses is not None and pid_alive(seg.server_pid):
+            try:
+                self._conn.call(Op.TOUCH, Uses.frames(*uses[:3]), arg=uses[3],
+                                deadline=time.monotonic() + min(_CLOSE_TOUCH_WAIT_S, self.timeout_s))
+            except (NoAnswer, StoreError):
+                pass    # dropped: only LRU order and counters, of a server that does not answer
         self._conn.close()

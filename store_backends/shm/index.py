@@ -27,7 +27,8 @@ import numpy as np
 
 from ..process import pid_alive
 from .keytable import KeyTableWriter, fingerprints
-from .protocol import Alloc, Flag, Status, pack_keys, unpack_keys
+from .locations import LocationWriter
+from .protocol import TOUCH_COUNTS, Alloc, Flag, Status, pack_keys, unpack_keys
 
 
 class Entry:
@@ -64,7 +65,8 @@ class ChunkIndex:
     """The index, free list and leases of ``num_chunks`` chunks of
     ``chunk_nbytes``.  ``gen`` (one uint64 per chunk) must be set before the
     first request: the server creates it with the segments, and ``table``
-    with them where it publishes a key table."""
+    (and ``where``) with them where it publishes a key table (and
+    locations)."""
 
     def __init__(self, num_chunks: int, chunk_nbytes: int, lease_timeout_s: float) -> None:
         self.num_chunks = num_chunks
@@ -72,6 +74,7 @@ class ChunkIndex:
         self.lease_timeout_s = lease_timeout_s
         self.gen: np.ndarray | None = None
         self.table: KeyTableWriter | None = None
+        self.where: LocationWriter | None = None
         self.index: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
         self.free: collections.deque[tuple[int, int]] = collections.deque([(0, num_chunks)])
         self.free_chunks = num_chunks
@@ -114,7 +117,23 @@ class ChunkIndex:
     def _unpublish(self, entry: Entry) -> None:
         if self.table is not None:
             self.table.remove(entry.slot)
+            if self.where is not None:
+                self.where.forget(entry.slot)
             entry.slot = -1
+
+    def _publish_locations(self, items: list[tuple[bytes, Entry]]) -> None:
+        """Tell clients where the values of ``items`` (stored, one run of
+        chunks each) live, in their key-table slots."""
+        where = self.where
+        items = [(key, e) for key, e in items if e.nruns == 1 and e.slot >= 0]
+        if where is None or not items:
+            return
+        n = len(items)
+        where.publish(np.fromiter((e.slot for _k, e in items), np.int64, n),
+                      np.fromiter((e.first for _k, e in items), np.int64, n),
+                      [key for key, _e in items],
+                      np.fromiter((e.size for _k, e in items), np.int64, n),
+                      np.fromiter((e.gen for _k, e in items), np.uint64, n))
 
     def _sync_table(self) -> None:
         """Rebuild the key table when tombstones fill it, or when it was
@@ -123,9 +142,12 @@ class ChunkIndex:
         if table is None or not table.needs_rebuild(len(self.index)):
             return
         entries = list(self.index.values())
+        if self.where is not None:
+            self.where.clear()
         slots = table.rebuild(np.fromiter((e.fp for e in entries), np.uint64, len(entries)))
         for i, entry in enumerate(entries):
             entry.slot = -1 if slots is None else int(slots[i])
+        self._publish_locations(list(self.index.items()))
 
     def _allocate(self, nchunks: int) -> list[tuple[int, int]] | None:
         if nchunks > self.num_chunks - self.leased_chunks:
@@ -232,6 +254,8 @@ class ChunkIndex:
         sizes.frombytes(frames[used])
         if len(sizes) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        if flags & Flag.TOUCHED:
+            self._touch(0, frames[used + 1:])
         overwrite = bool(flags & Flag.OVERWRITE)
         lease = Lease(pid=arg, overwrite=overwrite)
         chunk = self.chunk_nbytes
@@ -275,6 +299,7 @@ class ChunkIndex:
         index = self.index
         table = self.table
         fps = fingerprints([key for key, _entry, _runs in lease.items]) if table is not None else None
+        committed = []
         for i, (key, entry, runs) in enumerate(lease.items):
             self.leased_chunks -= entry.nchunks
             old = index.get(key)
@@ -294,6 +319,8 @@ class ChunkIndex:
                 entry.slot = table.insert(entry.fp)
             index[key] = entry
             self.nbytes += entry.size
+            committed.append((key, entry))
+        self._publish_locations(committed)
         self._sync_table()
         return Status.OK, []
 
@@ -317,9 +344,33 @@ class ChunkIndex:
         while self.index:
             _key, entry = self.index.popitem(last=False)
             self._drop(entry)
+        if self.where is not None:
+            self.where.clear()
         if self.table is not None:
             self.table.rebuild(np.zeros(0, np.uint64))
         return Status.OK, []
+
+    def op_touch(self, flags, key_len, arg, frames):
+        self._touch(arg, frames)
+        return Status.OK, []
+
+    def _touch(self, late: int, frames) -> None:
+        """Apply a client's uses of keys it read from published locations
+        (``TOUCH_COUNTS`` then the keys' frames): the keys still stored
+        become the most recently used, and its gets and hits are counted,
+        ``late`` of the hits as misses (reads found torn since)."""
+        touch_len, gets, hits = TOUCH_COUNTS.unpack(frames[0])
+        if not 0 <= hits <= gets:
+            raise ValueError(f"touch of {hits} hits in {gets} gets")
+        keys, _ = unpack_keys(touch_len, frames[1:])
+        index = self.index
+        for key in keys:
+            if key in index:
+                index.move_to_end(key)
+        late = max(0, min(late, self.counters["hits"] + hits))
+        self.counters["gets"] += gets
+        self.counters["hits"] += hits - late
+        self.counters["misses"] += gets - hits + late
 
     def op_keys(self, flags, key_len, arg, frames):
         # Every committed key, least recently used first, as key_len (i64)

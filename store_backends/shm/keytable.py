@@ -282,18 +282,25 @@ class KeyTableReader:
     def lookup(self, fps: np.ndarray) -> np.ndarray | None:
         """Which of ``fps`` the table holds, or None when it cannot tell now
         (switched off, being rebuilt, closed, or a probe run too long)."""
+        slots = self.find(fps)
+        return None if slots is None else slots >= 0
+
+    def find(self, fps: np.ndarray) -> np.ndarray | None:
+        """The slot holding each of ``fps`` (-1: not held), or None when
+        the table cannot tell now, as for ``lookup``."""
         header = self.header
         seq = int(header[_SEQ])
         if seq & 1 or int(header[_STATE]) != ACTIVE:
             return None
         table, mask = self.table, self.mask
-        found = np.zeros(len(fps), bool)
+        found = np.full(len(fps), -1, np.int64)
         pos = fps.astype(np.int64) & mask
         pending = np.arange(len(fps))
         for _ in range(MAX_PROBES):
-            value = table[pos[pending]]
+            at = pos[pending]
+            value = table[at]
             hit = value == fps[pending]
-            found[pending[hit]] = True
+            found[pending[hit]] = at[hit]
             pending = pending[~hit & (value != EMPTY)]
             if not pending.size:
                 break

@@ -173,7 +173,7 @@ class Paths:
 
     def leftover_segments(self) -> list[str]:
         """Segment files of any epoch of this NAME (exact name match)."""
-        pattern = re.compile(r"^ucm-shm\." + re.escape(self.name) + r"\.[0-9a-f]{16}\.(data|gen|keys)$")
+        pattern = re.compile(r"^ucm-shm\." + re.escape(self.name) + r"\.[0-9a-f]{16}\.(data|gen|keys|where)$")
         try:
             names = os.listdir(SEGMENT_DIR)
         except OSError:

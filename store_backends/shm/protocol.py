@@ -11,7 +11,10 @@ Wire format (all integers little-endian).  A request is a multipart message:
 frame 0 is the header ``REQUEST`` = op u8, flags u8, key_len u16, request_id
 u32, epoch u64, arg i64; then, for ops that take keys, the keys as one frame
 (concatenated) and, when key_len is 0 (keys of different lengths), a frame of
-u32 key lengths; ALLOC adds a frame of i64 value sizes.  A reply is frame 0
+u32 key lengths; ALLOC adds a frame of i64 value sizes (and, flagged ``TOUCHED``, a
+``TOUCH_COUNTS`` frame and the touched keys' frames).  TOUCH is a
+``TOUCH_COUNTS`` frame, then the touched keys' frames; its arg carries
+late misses, as GET's does.  A reply is frame 0
 ``REPLY`` = status u8, 3 pad bytes, request_id u32, epoch u64, then the op's
 result frames (see the ``op_*`` methods of ``index.ChunkIndex`` and the
 server's own ``_op_*``).  A request whose epoch is not the server's is
@@ -33,6 +36,8 @@ DEFAULT_LEASE_TIMEOUT_S = 600.0
 
 REQUEST = struct.Struct("<BBHIQq")
 REPLY = struct.Struct("<BxxxIQ")
+#: The counts of a TOUCH: key_len of its keys, gets, hits.
+TOUCH_COUNTS = struct.Struct("<qqq")
 
 
 class Op(enum.IntEnum):
@@ -50,11 +55,14 @@ class Op(enum.IntEnum):
     CLEAR = 10
     SHUTDOWN = 11
     KEYS = 12
+    #: Uses of keys a client read without asking (from published
+    #: locations): LRU moves and the get counters.
+    TOUCH = 13
 
 
 #: Ops that do not depend on the segments a client has mapped.
 EPOCH_FREE_OPS = frozenset({Op.HELLO, Op.STATS, Op.CLEAR, Op.SHUTDOWN, Op.DELETE, Op.CONTAINS, Op.PREFIX,
-                            Op.KEYS})
+                            Op.KEYS, Op.TOUCH})
 
 
 class Flag(enum.IntFlag):
@@ -65,6 +73,9 @@ class Flag(enum.IntFlag):
     OVERWRITE = 1
     #: GET for inspection: neither a use for LRU nor a get in the counters.
     NO_TOUCH = 2
+    #: ALLOC: the frames after the sizes carry uses, as TOUCH does (a
+    #: TOUCH_COUNTS frame, then the keys), applied before allocating.
+    TOUCHED = 4
 
 
 class Status(enum.IntEnum):

@@ -1,7 +1,7 @@
 """Mapping the segments of an shm server epoch into a client.
 
-Owns the one way a client maps shared memory: only the data, generation
-and key-table segments that ``paths`` defines for this NAME and the epoch
+Owns the one way a client maps shared memory: only the data, generation,
+key-table and locations segments that ``paths`` defines for this NAME and the epoch
 the server's HELLO announced, never through a symlink, only regular files
 of this user at least as large as announced; and ``Segments``, the immutable snapshot of
 one epoch's mappings that an operation keeps using while another thread
@@ -18,6 +18,7 @@ import stat
 
 import numpy as np
 
+from . import locations
 from .keytable import KeyTableReader, segment_nbytes
 from .paths import Paths, name_arg
 
@@ -70,7 +71,7 @@ class Segments:
     """The mapped segments of one server epoch.  Immutable: an operation
     keeps using the snapshot it started with, also if another thread remaps."""
 
-    __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "keys", "_maps")
+    __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "keys", "where", "_maps")
 
     def __init__(self, info: dict, paths: Paths, populate: bool) -> None:
         try:
@@ -113,8 +114,27 @@ class Segments:
                 self.release()
                 raise BadServer(f"the shm server's key table is malformed ({exc}); stop it "
                                 f"(`ucm shm stop {name_arg(paths.name)}`)") from None
+        self.where: locations.LocationReader | None = None
+        if self.keys is not None and info.get("where_path") is not None:
+            self._map_locations(info, paths, slots)
         self.data = memoryview(data_mm)
         self.gen = np.frombuffer(gen_mm, dtype=np.uint64)
+
+    def _map_locations(self, info: dict, paths: Paths, slots: int) -> None:
+        try:
+            where_mm = map_segment(info["where_path"], paths.segment(self.epoch, "where"),
+                                   locations.segment_nbytes(slots, self.num_chunks), writable=False,
+                                   populate=False, server_pid=self.server_pid, name_arg=name_arg(paths.name))
+        except BaseException:
+            self.release()
+            raise
+        self._maps += (where_mm,)
+        try:
+            self.where = locations.LocationReader(where_mm, slots, self.num_chunks)
+        except ValueError as exc:
+            self.release()
+            raise BadServer(f"the shm server's locations segment is malformed ({exc}); stop it "
+                            f"(`ucm shm stop {name_arg(paths.name)}`)") from None
 
     def release(self) -> None:
         data = getattr(self, "data", None)
@@ -122,6 +142,7 @@ class Segments:
             data.release()
         self.gen = None
         self.keys = None
+        self.where = None
         for mm in self._maps:
             try:
                 mm.close()

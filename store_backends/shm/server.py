@@ -9,7 +9,8 @@ re-reads the generation of the value's first chunk: if it changed, the value
 may have been overwritten during the copy and the read is a miss.  Readers
 therefore pin nothing, and a reader that dies leaves nothing behind.  A
 third segment, the key table (``keytable``), lets clients answer lookups
-without a request.
+without a request, and a fourth (``locations``) lets them find a stored
+value's chunks without one.
 
 Writers allocate chunks under a lease (one request), copy their values in,
 and commit (a second request); a value becomes visible only at commit.  The
@@ -43,7 +44,7 @@ import time
 import numpy as np
 import zmq
 
-from . import keytable
+from . import keytable, locations
 from .index import ChunkIndex, Entry, Lease
 from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, lock_until, valid_name
 from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EPOCH_FREE_OPS, EXIT_ALREADY_RUNNING,
@@ -86,6 +87,9 @@ class IndexServer:
         self._keys_mm = None
         self.keys_path: str | None = None
         self.key_table_slots = keytable.table_slots(num_chunks) if keytable.supported() else 0
+        self._where_mm = None
+        self.where_path: str | None = None
+        self.publish_locations = bool(self.key_table_slots) and locations.published(chunk_nbytes)
         self.started = time.time()
 
     # -- life cycle
@@ -134,12 +138,19 @@ class IndexServer:
             self._keys_mm = _create_mapped(keys_path, keytable.segment_nbytes(self.key_table_slots))
             self.keys_path = keys_path
             self.chunks.table = keytable.KeyTableWriter(self._keys_mm, self.key_table_slots)
+        if self.publish_locations:
+            where_path = self.paths.segment(self.epoch, "where")
+            self._where_mm = _create_mapped(
+                where_path, locations.segment_nbytes(self.key_table_slots, self.num_chunks))
+            self.where_path = where_path
+            self.chunks.where = locations.LocationWriter(self._where_mm, self.key_table_slots, self.num_chunks)
 
     def cleanup(self) -> None:
         if self.chunks.table is not None:
             self.chunks.table.close()   # a client that still maps it asks, and finds us gone
         _unlink(self.paths.socket)
-        for path in (getattr(self, "data_path", None), getattr(self, "gen_path", None), self.keys_path):
+        for path in (getattr(self, "data_path", None), getattr(self, "gen_path", None), self.keys_path,
+                     self.where_path):
             if path:
                 _unlink(path)
         # The PID lock stays held until the process is gone (the kernel drops
@@ -190,6 +201,7 @@ class IndexServer:
             Op.GET: chunks.op_get, Op.ALLOC: chunks.op_alloc, Op.COMMIT: chunks.op_commit,
             Op.ABORT: chunks.op_abort, Op.DELETE: chunks.op_delete, Op.STATS: self._op_stats,
             Op.CLEAR: chunks.op_clear, Op.SHUTDOWN: self._op_shutdown, Op.KEYS: chunks.op_keys,
+            Op.TOUCH: chunks.op_touch,
         }
         while not self.stopping:
             try:
@@ -240,6 +252,7 @@ class IndexServer:
             "chunk_nbytes": self.chunk_nbytes, "num_chunks": self.num_chunks,
             "data_path": self.data_path, "gen_path": self.gen_path,
             "keys_path": self.keys_path, "key_table_slots": self.key_table_slots,
+            "where_path": self.where_path,
         }
 
     def _op_hello(self, flags, key_len, arg, frames):

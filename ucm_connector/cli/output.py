@@ -237,7 +237,8 @@ def print_shm_status_text(name: str, status: ServerStatus) -> None:
     if status.key_table_slots:
         state = "answers lookups" if status.key_table_active else "switched off (lookups ask the server)"
         print(f"  key table {state}: {plural(status.key_table_live, 'key')}, {status.key_table_used} of "
-              f"{status.key_table_slots} slots used")
+              f"{status.key_table_slots} slots used; gets "
+              f"{'find values from it' if status.where_path else 'ask the server'}")
     else:
         print("  key table: none (lookups ask the server)")
     print(f"  segment {status.data_path}")
