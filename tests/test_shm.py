@@ -213,6 +213,27 @@ def test_gets_from_published_locations_are_counted_and_used_by_the_server(shm):
         assert list(watcher.iter_keys(batch=len(many)))[0][-2:] == many[:2]  # the most recently used
 
 
+def test_a_get_asks_the_server_only_for_values_the_locations_cannot_prove(shm):
+    """A value split over two runs of chunks has no published location: a
+    get of it with others asks the server for that one only, and every
+    value comes back whole and in order."""
+    with open_store(shm.url(capacity="16KiB", chunk="4KiB")) as store:
+        four = [b"a", b"b", b"c", b"d"]
+        assert store.put(four, [value_for(k, 4096) for k in four]) == [True] * 4
+        store.delete([b"a", b"c"])
+        assert store.put([b"split"], [value_for(b"split", 8192)]) == [True]    # chunks 0 and 2
+        before = store.stats()
+        keys = [b"b", b"split", b"absent", b"d"]
+        want = [value_for(b"b", 4096), value_for(b"split", 8192), None, value_for(b"d", 4096)]
+        assert store.get(keys) == want
+        buffers = [bytearray(4096), bytearray(8192), bytearray(1), bytearray(4096)]
+        assert store.get_into(keys, buffers) == [True, True, False, True]
+        assert [bytes(b) for b in buffers[:2]] + [bytes(buffers[3])] == [want[0], want[1], want[3]]
+        after = store.stats()
+        assert after.extra["local_gets"] - before.extra["local_gets"] == 6      # all but "split", twice
+        assert (after.num_gets - before.num_gets, after.num_hits - before.num_hits) == (8, 6)
+
+
 # ---------------------------------------------------------------- processes
 
 def test_blocks_are_shared_across_processes_and_outlive_their_writer(shm):
@@ -403,6 +424,7 @@ def test_reader_never_gets_a_wrong_value_while_values_are_overwritten_and_evicte
             stats = store.stats()
         assert hits > 100
         assert stats.num_evictions > 0
+        assert stats.extra["local_gets"] > 1000     # values found from the published locations, racing too
     finally:
         writer.kill()
         writer.wait()

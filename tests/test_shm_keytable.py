@@ -213,18 +213,18 @@ def test_published_locations_prove_only_current_values_through_every_change():
                 assert slots[k] == -1
                 continue
             remembered.add((k, int(slots[k])))
-            got = reader.locate([key], slots[k:k + 1], index.gen, chunk)
+            *got, proven = reader.locate([key], slots[k:k + 1], index.gen, chunk)
             if entry.nruns == 1:
-                assert got is not None, (step, key)
+                assert proven[0], (step, key)
                 assert [int(x[0]) for x in got] == [entry.first, entry.size, entry.gen]
                 seen["one run"] += 1
             else:
-                assert got is None
+                assert not proven[0]
                 seen["several runs"] += 1
         for k, slot in remembered:
             key = universe[k]
-            got = reader.locate([key], np.array([slot]), index.gen, chunk)
-            if got is None:
+            *got, proven = reader.locate([key], np.array([slot]), index.gen, chunk)
+            if not proven[0]:
                 seen["stale slot refused"] += slot != int(slots[k])
                 continue
             entry = index.index.get(key)
@@ -241,16 +241,23 @@ def test_a_record_being_written_or_of_another_key_is_refused():
     gen = np.zeros(8, np.uint64)
     gen[3] = 5
     writer.publish(np.array([2]), np.array([3]), [b"alpha"], np.array([100]), np.array([5], np.uint64))
-    assert [int(x[0]) for x in reader.locate([b"alpha"], np.array([2]), gen, 64)] == [3, 100, 5]
-    assert reader.locate([b"alphb"], np.array([2]), gen, 64) is None          # another key
-    assert reader.locate([b"alph"], np.array([2]), gen, 64) is None           # a prefix of it
-    assert reader.locate([b"alpha", b"x" * 65], np.array([2, 2]), gen, 64) is None   # too long to hold
-    writer.records["ver"][3] += np.uint64(1)                                   # a write under way
-    assert reader.locate([b"alpha"], np.array([2]), gen, 64) is None
+
+    def proven(keys, slots):
+        *found, ok = reader.locate(keys, np.array(slots), gen, 64)
+        return ok.tolist(), [int(x[0]) for x in found]
+
+    assert proven([b"alpha"], [2]) == ([True], [3, 100, 5])
+    assert proven([b"alphb"], [2])[0] == [False]                  # another key
+    assert proven([b"alph"], [2])[0] == [False]                   # a prefix of it
+    assert proven([b"x" * 65, b"alpha"], [2, 2])[0] == [False, True]   # too long to hold; the other stands
+    assert proven([b"alpha"], [5])[0] == [False]                  # a slot pointing nowhere
+    writer.records["ver"][3] += np.uint64(1)                       # a write under way
+    assert proven([b"alpha"], [2])[0] == [False]
     writer.records["ver"][3] += np.uint64(1)
-    gen[3] += np.uint64(1)                                                     # chunk 3 freed since
-    assert reader.locate([b"alpha"], np.array([2]), gen, 64) is None
+    gen[3] += np.uint64(1)                                         # chunk 3 freed since
+    assert proven([b"alpha"], [2])[0] == [False]
+    gen[3] -= np.uint64(1)
     writer.forget(2)
-    assert reader.locate([b"alpha"], np.array([2]), gen, 64) is None
+    assert proven([b"alpha"], [2])[0] == [False]
     with pytest.raises(ValueError, match="does not match"):
         locations.LocationReader(buf, 16, 4)

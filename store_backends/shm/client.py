@@ -273,13 +273,17 @@ class ShmStore(KVStore):
 
     def _lookup(self, keys: Sequence[bytes], flags: int = 0):
         """Where each key's value lives: (segments, sizes (-1: miss),
-        first-chunk generations, first chunks, run counts, runs), from the
-        published locations for a counted get where they prove every hit,
-        else from the server."""
+        first-chunk generations, first chunks, run counts, runs).  For a
+        counted get, from the published locations where they prove it, and
+        from the server for the other keys."""
         if not flags & Flag.NO_TOUCH:
             local = self._locate(keys)
             if local is not None:
                 return local
+        return self._ask(keys, flags)
+
+    def _ask(self, keys: Sequence[bytes], flags: int = 0):
+        """``_lookup``'s answer from the server."""
         key_len, key_frames = pack_keys(keys)
         late = 0
         if not flags & Flag.NO_TOUCH:
@@ -293,8 +297,9 @@ class ShmStore(KVStore):
         return seg, sizes, gens, firsts, nruns, runs
 
     def _locate(self, keys: Sequence[bytes]):
-        """``_lookup``'s answer without a request, or None when the
-        published tables cannot give all of it now."""
+        """``_lookup``'s answer from the published tables, asking the
+        server only for the keys they cannot prove now; None when they
+        cannot answer at all (none published, being rebuilt, server gone)."""
         seg = self._conn.mapped()
         if seg is None or seg.where is None or not pid_alive(seg.server_pid):
             return None
@@ -306,26 +311,50 @@ class ShmStore(KVStore):
         if slots is None:
             return None
         hit = np.flatnonzero(slots >= 0)
-        hit_keys = keys if len(hit) == len(keys) else [keys[i] for i in hit]
-        found = seg.where.locate(hit_keys, slots[hit], seg.gen, seg.chunk)
-        if found is None:
-            return None
-        hit_firsts, hit_sizes, hit_gens = found
+        hit_firsts, hit_sizes, hit_gens, proven = seg.where.locate(
+            keys if len(hit) == len(keys) else [keys[i] for i in hit], slots[hit], seg.gen, seg.chunk)
         n = len(keys)
         sizes = np.full(n, -1, np.int64)
-        sizes[hit] = hit_sizes
         gens = np.zeros(n, np.uint64)
-        gens[hit] = hit_gens
         firsts = np.full(n, -1, np.int32)
-        firsts[hit] = hit_firsts
-        nruns = np.zeros(n, np.int64)
-        nruns[hit] = 1
-        runs = np.empty(2 * len(hit), np.int64)
-        runs[0::2] = hit_firsts
-        runs[1::2] = -(-hit_sizes // seg.chunk)
-        if self._uses.read_locally(hit_keys, n):
+        found = hit[proven]
+        sizes[found] = hit_sizes[proven]
+        gens[found] = hit_gens[proven]
+        firsts[found] = hit_firsts[proven]
+        asked = hit[~proven]
+        if self._uses.read_locally([keys[i] for i in found], n - len(asked)):
             self._send_uses()
-        return seg, sizes.tolist(), gens, firsts, nruns.tolist(), runs.tolist()
+        if not len(asked):
+            runs = np.empty(2 * len(found), np.int64)
+            runs[0::2] = firsts[found]
+            runs[1::2] = -(-sizes[found] // seg.chunk)
+            return seg, sizes.tolist(), gens, firsts, (sizes >= 0).astype(np.int64).tolist(), runs.tolist()
+        return self._merge(seg, keys, sizes, gens, firsts, asked)
+
+    def _merge(self, seg: Segments, keys: Sequence[bytes], sizes: np.ndarray, gens: np.ndarray,
+               firsts: np.ndarray, asked: np.ndarray):
+        """``_lookup``'s answer from locations found for some keys and the
+        server's answer for those at ``asked``."""
+        asked_seg, a_sizes, a_gens, a_firsts, a_nruns, a_runs = self._ask([keys[i] for i in asked])
+        if asked_seg is not seg:
+            return self._ask(keys)       # the server was replaced meanwhile: none of the locations stands
+        sizes[asked] = a_sizes
+        gens[asked] = a_gens
+        firsts[asked] = a_firsts
+        nruns = (sizes >= 0).astype(np.int64)
+        nruns[asked] = a_nruns
+        from_server = dict(zip(asked.tolist(), range(len(asked))))
+        runs: list[int] = []
+        pos = 0
+        chunk = seg.chunk
+        for i, size in enumerate(sizes.tolist()):
+            j = from_server.get(i)
+            if j is not None:
+                runs += a_runs[pos:pos + 2 * a_nruns[j]]
+                pos += 2 * a_nruns[j]
+            elif size >= 0:
+                runs += (int(firsts[i]), -(-size // chunk))
+        return seg, sizes.tolist(), gens, firsts, nruns.tolist(), runs
 
     def _send_uses(self, deadline: float | None = None) -> None:
         """Tell the server of the pending uses (best effort: uses of a
@@ -537,20 +566,11 @@ class ShmStore(KVStore):
         extra["torn_reads"] = torn
         extra["local_gets"] = self._uses.local_gets
         extra["data_path"] = info.get("data_path")
-        return StoreStats(
-            url=self.url,
-            kind="shm",
-            num_blocks=info["num_blocks"],
-            nbytes=info["nbytes"],
-            capacity_nbytes=info["capacity_nbytes"],
-            num_evictions=info.get("evictions", 0),
-            num_puts=info.get("puts", 0),
-            num_gets=info.get("gets", 0),
-            num_hits=info.get("hits", 0),
-            num_misses=info.get("misses", 0),
-            num_put_failures=info.get("put_failures", 0),
-            extra=extra,
-        )
+        return StoreStats(url=self.url, kind="shm", num_blocks=info["num_blocks"], nbytes=info["nbytes"],
+                          capacity_nbytes=info["capacity_nbytes"], num_evictions=info.get("evictions", 0),
+                          num_puts=info.get("puts", 0), num_gets=info.get("gets", 0), num_hits=info.get("hits", 0),
+                          num_misses=info.get("misses", 0), num_put_failures=info.get("put_failures", 0),
+                          extra=extra)
 
     def shutdown_server(self, timeout_s: float = 10.0) -> bool:
         """Stop the server of this NAME (its blocks are gone) and close this

@@ -61,20 +61,21 @@ def _views(buf, slots: int, num_chunks: int):
     return header, where, records
 
 
-def key_matrix(keys, width: int = KEY_MAX) -> tuple[np.ndarray, np.ndarray] | None:
+def key_matrix(keys, width: int = KEY_MAX) -> tuple[np.ndarray, np.ndarray]:
     """The keys as an (n, width) uint8 matrix, zero-padded, and their
-    lengths; None when one is longer than ``width``."""
+    lengths; a key longer than ``width`` gets a zero row and length -1,
+    which no record holds."""
     n = len(keys)
     lengths = np.fromiter(map(len, keys), np.int64, n)
-    if n and int(lengths.max()) > width:
-        return None
     matrix = np.zeros((n, width), np.uint8)
-    if n and int(lengths.min()) == int(lengths.max()):
+    if n and int(lengths.min()) == int(lengths.max()) <= width:
         first = int(lengths[0])
         matrix[:, :first] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, first)
-    else:
-        for i, key in enumerate(keys):
+        return matrix, lengths
+    for i, key in enumerate(keys):
+        if len(key) <= width:
             matrix[i, :len(key)] = np.frombuffer(key, np.uint8)
+    lengths[lengths > width] = -1
     return matrix, lengths
 
 
@@ -134,16 +135,15 @@ class LocationReader:
         self.num_chunks = num_chunks
 
     def locate(self, keys, slots: np.ndarray, gen: np.ndarray, chunk_nbytes: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """(first chunk, size, generation) of each of ``keys``, found in
-        key-table ``slots``, as a server's GET answers them; None when one
-        cannot be proven from the published records now (the caller asks
-        the server).  ``gen`` is the chunks' shared generation array."""
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(first chunk, size, generation, proven) of each of ``keys``,
+        found in key-table ``slots``, as a server's GET answers them; where
+        ``proven`` is False the published records cannot prove the
+        location now (the caller asks the server for that key).  ``gen`` is
+        the chunks' shared generation array."""
         firsts = self.where[slots]
-        if not firsts.size:
-            return firsts, np.zeros(0, np.int64), np.zeros(0, np.uint64)
-        if int(firsts.min()) < 0 or int(firsts.max()) >= self.num_chunks:
-            return None
+        ok = (firsts >= 0) & (firsts < self.num_chunks)
+        firsts = np.where(ok, firsts, 0)
         gens = gen[firsts]                       # before the record: the record must be of this generation
         records = self.records
         before = records["ver"][firsts]
@@ -153,11 +153,7 @@ class LocationReader:
         rec_keys = records["key"][firsts]
         after = records["ver"][firsts]
         matrix = key_matrix(keys)
-        if matrix is None:
-            return None
-        ok = ((before == after) & (before & np.uint64(1) == 0) & (rec_gens == gens)
-              & (key_lens == matrix[1].astype(np.uint64)) & (rec_keys == matrix[0]).all(axis=1)
-              & (sizes > 0) & (firsts * chunk_nbytes + sizes <= self.num_chunks * chunk_nbytes))
-        if not ok.all():
-            return None
-        return firsts, sizes, gens
+        ok &= ((before == after) & (before & np.uint64(1) == 0) & (rec_gens == gens)
+               & (key_lens == matrix[1].astype(np.uint64)) & (rec_keys == matrix[0]).all(axis=1)
+               & (sizes > 0) & (firsts * chunk_nbytes + sizes <= self.num_chunks * chunk_nbytes))
+        return firsts, sizes, gens, ok
