@@ -10,8 +10,9 @@ gets from its published locations (``locations``) when it can, telling the
 server of those uses later in one message (``Op.TOUCH``, or along with the
 next put's ALLOC, so that LRU order holds for its own puts; ``uses`` keeps
 what is owed), copies values between the caller's buffers and the segment
-(once, with no intermediate buffer; ``copies``), and checks the chunk generations after each read so that a value
-overwritten or evicted during the copy is a miss, never a wrong value.  It
+(once, with no intermediate buffer; ``copies``), and checks the chunk
+generations after each read so that a value overwritten or evicted during
+the copy is a miss, never a wrong value.  It
 must not keep the index or decide evictions (the server's), define the wire
 format (``protocol``) or the file layout (``paths``), nor handle sockets,
 deadlines, reconnects or server starts (``connection``, ``launch``) or map
@@ -66,11 +67,11 @@ from ..process import pid_alive
 from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
 from . import admin
 from .connection import NoAnswer, ServerConnection
+from .copies import copy, copy_run_into_parts, value_slices
 from .keytable import fingerprints
 from .launch import ServerSettings
 from .paths import Paths, name_arg, valid_name
 from .protocol import DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, Alloc, Flag, Op, Status, pack_keys, unpack_keys
-from .copies import copy, copy_run_into_parts, value_slices
 from .segments import Segments
 from .uses import Uses
 
@@ -94,6 +95,7 @@ _ALLOC_FAILED = int(Alloc.FAILED)
 
 #: How long closing a store waits to send its pending uses.
 _CLOSE_TOUCH_WAIT_S = 0.5
+
 
 class ShmStore(KVStore):
     """Client of one ``shm://NAME`` store.  Thread-safe: each thread talks to
