@@ -753,31 +753,38 @@ def test_server_refuses_to_serve_in_a_runtime_dir_writable_by_others(shm):
 # its HELLO names DATA_PATH and GEN_PATH as the segments, and its ALLOC hands
 # out chunk 0 for every key.
 FAKE_SERVER = """
-    import fcntl, json, os, sys, array
-    import zmq
+    import fcntl, json, os, socket, sys, array, time
     from store_backends import shm_server as proto
+    from store_backends.shm import transport
 
     rundir, name, data_path, gen_path = sys.argv[1:5]
     paths = proto.Paths(name, rundir)
     lock = os.open(paths.pid_lock, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX)
-    sock = zmq.Context().socket(zmq.ROUTER)
-    sock.bind(paths.endpoint)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(paths.socket)
+    listener.listen(8)
     info = {"protocol": proto.PROTOCOL_VERSION, "name": name, "epoch": 7, "pid": os.getpid(),
             "chunk_nbytes": 4096, "num_chunks": 4, "data_path": data_path, "gen_path": gen_path,
             "num_blocks": 0, "nbytes": 0, "capacity_nbytes": 16384}
     print("ready", flush=True)
     while True:
-        ident, header, *frames = sock.recv_multipart()
-        op, flags, key_len, rid, epoch, arg = proto.REQUEST.unpack(header)
-        out = []
-        if op in (proto.OP_HELLO, proto.OP_STATS):
-            out = [json.dumps(info).encode()]
-        elif op == proto.OP_ALLOC:
-            keys, _ = proto.unpack_keys(key_len, frames)
-            out = [(1).to_bytes(8, "little"), bytes(len(keys)), array.array("I", [1] * len(keys)).tobytes(),
-                   array.array("i", [0, 1] * len(keys)).tobytes()]
-        sock.send_multipart([ident, proto.REPLY.pack(proto.ST_OK, rid, 7), *out])
+        conn, _ = listener.accept()
+        conn.setblocking(False)
+        while True:
+            try:
+                header, *frames = transport.receive(conn, time.monotonic() + 3600, lambda: True)
+            except transport.PeerGone:
+                break
+            op, flags, key_len, rid, epoch, arg = proto.REQUEST.unpack(header)
+            out = []
+            if op in (proto.OP_HELLO, proto.OP_STATS):
+                out = [json.dumps(info).encode()]
+            elif op == proto.OP_ALLOC:
+                keys, _ = proto.unpack_keys(key_len, frames)
+                out = [(1).to_bytes(8, "little"), bytes(len(keys)), array.array("I", [1] * len(keys)).tobytes(),
+                       array.array("i", [0, 1] * len(keys)).tobytes()]
+            transport.send(conn, [proto.REPLY.pack(proto.ST_OK, rid, 7), *out], time.monotonic() + 5, lambda: True)
 """
 
 

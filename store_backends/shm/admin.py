@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import time
 
+from . import transport
 from .paths import Paths, check_rundir, valid_name
 from .paths import runtime_dir as _resolve_runtime_dir
 from .protocol import REPLY, REQUEST, Op, Status
@@ -132,20 +134,22 @@ def _request(paths: Paths, op: Op, timeout_s: float) -> tuple[int, list[bytes]] 
     if not paths.server_running() or not os.path.exists(paths.socket):
         return None
     paths.check_rundir()
-    import zmq  # here: listing and probing servers need no zmq
-
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(paths.endpoint)
-        sock.send_multipart([REQUEST.pack(op, 0, 0, 1, 0, 0)])
-        if not sock.poll(int(timeout_s * 1000)):
+        sock.connect(paths.socket)
+        sock.setblocking(False)
+        deadline = time.monotonic() + timeout_s
+        if not transport.send(sock, [REQUEST.pack(op, 0, 0, 1, 0, 0)], deadline, lambda: True):
             return None
-        reply = sock.recv_multipart()
-        status, _rid, _epoch = REPLY.unpack(reply[0])
-        return status, reply[1:]
+        reply = transport.receive(sock, deadline, lambda: True)
+    except (OSError, transport.PeerGone):
+        return None
     finally:
-        sock.close(0)
+        sock.close()
+    if reply is None:
+        return None
+    status, _rid, _epoch = REPLY.unpack(reply[0])
+    return status, [bytes(frame) for frame in reply[1:]]
 
 
 def server_status(name: str, runtime_dir: str | None = None, timeout_s: float = 2.0) -> ServerStatus:

@@ -1,7 +1,8 @@
 """A client's connection to the index server of an ``shm://NAME`` store.
 
-Owns the client's way to its server: a zmq socket per thread (fresh ones
-after a fork or a request that went unanswered), one request and its answer
+Owns the client's way to its server: a unix socket per thread (fresh ones
+after a fork or a request that went unanswered; messages framed as
+``transport`` says), one request and its answer
 within the deadline of the whole operation, saying HELLO, and reconnecting:
 starting a server where the mode allows it (``launch``), mapping the
 segments of a new server epoch (``segments``), and retrying a request that
@@ -15,21 +16,23 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
+import socket
 import threading
 import time
 from typing import Sequence
-
-import zmq
 
 from ..base import OpenMode, StoreError, StoreOpenError, StoreUnavailableError
 from .launch import ServerSettings, start_server
 from .paths import Paths, ShmServerNotRunning, UnsafeRuntimeDir, name_arg
 from .protocol import PROTOCOL_VERSION, REPLY, REQUEST, Op, Status
 from .segments import BadServer, Segments
+from .transport import PeerGone, receive, send
 
-_POLL_SLICE_MS = 50
+_POLL_SLICE_S = 0.05
+#: How often a request retries connecting to a server that holds its PID
+#: lock but has not opened its socket yet (it is starting).
+_CONNECT_RETRY_S = 0.005
 
 
 class NoAnswer(Exception):
@@ -68,8 +71,7 @@ class ServerConnection:
         self._sockets: set = set()
         self._sock_gen = 0
         self._rids = itertools.count(1)
-        self.pid = os.getpid()  # the process whose zmq context and sockets these are
-        self._ctx = zmq.Context()
+        self.pid = os.getpid()  # the process whose sockets these are
         self._seg: Segments | None = None
         self._old_segs: list[Segments] = []
         self._seg_broken = False
@@ -77,7 +79,9 @@ class ServerConnection:
 
     # ------------------------------------------------------------ transport
 
-    def _socket(self):
+    def _socket(self) -> socket.socket:
+        """This thread's socket, connected now if it is new (``OSError``
+        when no server listens)."""
         if self._closed:
             raise StoreUnavailableError(f"store '{self.url}' is closed")
         if os.getpid() != self.pid:
@@ -88,25 +92,37 @@ class ServerConnection:
             with self._lock:
                 if sock is not None and tls.pid == os.getpid():
                     self._sockets.discard(sock)
-                    sock.close(0)
-                sock = self._ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.RECONNECT_IVL, 10)
-                sock.connect(self.paths.endpoint)
+                    sock.close()
+                tls.sock = None
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.connect(self.paths.socket)
+                except OSError:
+                    sock.close()
+                    raise
+                sock.setblocking(False)
                 self._sockets.add(sock)
                 tls.sock = sock
                 tls.gen = self._sock_gen
                 tls.pid = os.getpid()
         return sock
 
+    def _drop_socket(self) -> None:
+        """Close this thread's socket (it holds part of a message, or its
+        server is gone); the next request opens a new one."""
+        with self._lock:
+            sock, self._tls.sock = self._tls.sock, None
+            if sock is not None and self._tls.pid == os.getpid():
+                self._sockets.discard(sock)
+                sock.close()
+
     def _after_fork(self) -> None:
-        # zmq contexts and sockets must not be used across fork; the mapped
-        # segments are inherited and stay valid.
+        # The parent's sockets must not carry the child's requests; the
+        # mapped segments are inherited and stay valid.
         with self._lock:
             if os.getpid() == self.pid:
                 return
             self.pid = os.getpid()
-            self._ctx = zmq.Context()
             self._sockets = set()
             self._sock_gen += 1
             # A thread of the parent may have been reconnecting at the fork.
@@ -118,28 +134,44 @@ class ServerConnection:
         seconds) at most: the deadline of the whole operation, so that its
         reconnect, its server start and its requests together stay within
         ``timeout``.  Raises ``NoAnswer`` when none comes."""
-        sock = self._socket()
         rid = next(self._rids) & 0xFFFFFFFF
-        # copy=False: frames above zmq's copy threshold (a large key batch)
-        # go out without an extra copy; small ones are copied anyway.
-        sock.send_multipart([REQUEST.pack(op, flags, key_len, rid, epoch, arg), *frames], copy=False)
+        message = [REQUEST.pack(op, flags, key_len, rid, epoch, arg), *frames]
+        running = self.paths.server_running
         while True:
-            slice_ms = min(_POLL_SLICE_MS, max(0, math.ceil((deadline - time.monotonic()) * 1000)))
-            if sock.poll(slice_ms):
-                reply = sock.recv_multipart()
-                status, reply_rid, reply_epoch = REPLY.unpack(reply[0])
-                if reply_rid != rid:
-                    continue  # the late answer to a request that timed out
-                if status == Status.ERROR:
-                    raise StoreError(f"store '{self.url}': the shm server rejected a request: "
-                                     f"{reply[1].decode(errors='replace') if len(reply) > 1 else '?'}")
-                return status, reply_epoch, reply[1:]
-            if not self.paths.server_running():
-                self._invalidate_sockets()
-                raise NoAnswer("the shm server is not running")
-            if time.monotonic() >= deadline:
-                self._invalidate_sockets()
-                raise NoAnswer(f"the shm server did not answer within the timeout ({self.timeout_s:g}s)")
+            try:
+                sock = self._socket()
+                break
+            except OSError:
+                # No server listens: gone, or still starting (it holds its
+                # PID lock before it opens its socket).
+                if not running() or time.monotonic() >= deadline:
+                    raise self._no_answer() from None
+                time.sleep(_CONNECT_RETRY_S)
+        try:
+            reply = None
+            if send(sock, message, deadline, running, _POLL_SLICE_S):
+                reply = receive(sock, deadline, running, _POLL_SLICE_S)
+        except (OSError, PeerGone):
+            reply = None        # the server closed the connection: gone, or it refused what it got
+        if reply is None:
+            self._drop_socket()
+            raise self._no_answer()
+        status, reply_rid, reply_epoch = REPLY.unpack(reply[0])
+        if reply_rid != rid:
+            self._drop_socket()
+            raise NoAnswer(f"the shm server answered request {reply_rid} to request {rid}")
+        if status == Status.ERROR:
+            raise StoreError(f"store '{self.url}': the shm server rejected a request: "
+                             f"{bytes(reply[1]).decode(errors='replace') if len(reply) > 1 else '?'}")
+        return status, reply_epoch, reply[1:]
+
+    def _no_answer(self) -> NoAnswer:
+        """After a request that got no answer: mark the mapping suspect, and
+        say whether the server is gone or did not answer in time."""
+        self._invalidate_sockets()
+        if not self.paths.server_running():
+            return NoAnswer("the shm server is not running")
+        return NoAnswer(f"the shm server did not answer within the timeout ({self.timeout_s:g}s)")
 
     def deadline(self) -> float:
         """The deadline of an operation that starts now."""
@@ -336,7 +368,6 @@ class ServerConnection:
             self._old_segs = []
         if os.getpid() == self.pid:
             for sock in sockets:
-                sock.close(0)
-            self._ctx.destroy(linger=0)
+                sock.close()
         for seg in segs:
             seg.release()

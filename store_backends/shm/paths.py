@@ -13,7 +13,8 @@ Files, for a store NAME:
 * ``/dev/shm/ucm-shm.NAME.EPOCH.data`` and ``.gen``: the segments.  EPOCH is
   new for every server start, so a client still mapping the segments of a
   dead server never reads or writes the segments of its successor.
-* ``RUNDIR/NAME.sock``: the control socket (zmq ROUTER over ``ipc://``).
+* ``RUNDIR/NAME.sock``: the control socket (a unix stream socket; messages
+  framed as ``transport`` says).
 * ``RUNDIR/NAME.pid``: flock-held by the live server for its whole life, so
   "is a server running" never depends on a timeout or on a PID being reused.
 * ``RUNDIR/NAME.start``: flock-held by whoever is starting a server, so two
@@ -136,7 +137,6 @@ class Paths:
         self.rundir = runtime_dir(rundir)
         base = os.path.join(self.rundir, name)
         self.socket = base + ".sock"
-        self.endpoint = "ipc://" + self.socket
         self.pid_lock = base + ".pid"
         self.start_lock = base + ".start"
         self.log = base + ".log"

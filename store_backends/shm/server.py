@@ -32,23 +32,24 @@ running server anything is ``admin``'s or the client's.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import mmap
 import os
 import secrets
+import selectors
 import signal
+import socket
 import sys
 import time
 
 import numpy as np
-import zmq
 
 from . import keytable, locations
 from .index import ChunkIndex, Entry, Lease
 from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, lock_until, valid_name
 from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EPOCH_FREE_OPS, EXIT_ALREADY_RUNNING,
                        PROTOCOL_VERSION, REPLY, REQUEST, Op, Status)
+from .transport import Inbox, Outbox, PeerGone
 
 __all__ = ["ChunkIndex", "Entry", "IndexServer", "Lease", "SWEEP_INTERVAL_S", "main"]
 
@@ -56,6 +57,16 @@ SWEEP_INTERVAL_S = 0.5
 # How long a starting server waits for the PID lock: a client probing
 # liveness holds it shared for an instant; a live server holds it for good.
 _PID_LOCK_WAIT_S = 2.0
+
+
+class _Client:
+    """What the server keeps of one connected client."""
+
+    __slots__ = ("inbox", "outbox")
+
+    def __init__(self) -> None:
+        self.inbox = Inbox()
+        self.outbox = Outbox()
 
 
 class IndexServer:
@@ -160,23 +171,18 @@ class IndexServer:
         if not self.acquire_pid_lock():
             _report(ready_fd, "already running")
             return EXIT_ALREADY_RUNNING
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # A client that timed out and went away must not make the server
-        # block or queue replies for it forever.
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.create_segments()
             _unlink(self.paths.socket)
-            sock.bind(self.paths.endpoint)
+            sock.bind(self.paths.socket)
             os.chmod(self.paths.socket, 0o600)
+            sock.listen(128)
+            sock.setblocking(False)
         except Exception as exc:
             _report(ready_fd, f"error: {exc}")
             self.cleanup()
-            sock.close(0)
-            ctx.term()
+            sock.close()
             return 1
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -186,8 +192,7 @@ class IndexServer:
             self._loop(sock)
         finally:
             self.cleanup()
-            sock.close(0)
-            ctx.term()
+            sock.close()
         return 0
 
     def _on_signal(self, signum, frame) -> None:
@@ -203,46 +208,92 @@ class IndexServer:
             Op.CLEAR: chunks.op_clear, Op.SHUTDOWN: self._op_shutdown, Op.KEYS: chunks.op_keys,
             Op.TOUCH: chunks.op_touch,
         }
-        while not self.stopping:
-            try:
-                ready = sock.poll(int(SWEEP_INTERVAL_S * 1000))
-            except zmq.ZMQError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                raise
-            if ready:
-                while not self.stopping:
-                    try:
-                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(sock, handlers, msg)
-                last_request = time.monotonic()
-            now = time.monotonic()
-            if now - last_sweep >= SWEEP_INTERVAL_S:
-                chunks.sweep(now)
-                last_sweep = now
-            if (self.idle_timeout_s is not None and now - last_request > self.idle_timeout_s
-                    and not chunks.leases):
-                break
+        selector = selectors.DefaultSelector()
+        selector.register(sock, selectors.EVENT_READ)
+        # A signal wakes the select at once (it is retried after a signal).
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        old_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+        selector.register(wake_r, selectors.EVENT_READ)
+        try:
+            while not self.stopping:
+                ready = selector.select(SWEEP_INTERVAL_S)
+                for key, events in ready:
+                    if key.fileobj is sock:
+                        self._accept(sock, selector)
+                    elif key.fileobj is wake_r:
+                        _drain(wake_r)
+                    else:
+                        self._serve_client(key.fileobj, key.data, events, selector, handlers)
+                if ready:
+                    last_request = time.monotonic()
+                now = time.monotonic()
+                if now - last_sweep >= SWEEP_INTERVAL_S:
+                    chunks.sweep(now)
+                    last_sweep = now
+                if (self.idle_timeout_s is not None and now - last_request > self.idle_timeout_s
+                        and not chunks.leases):
+                    break
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            for key in list(selector.get_map().values()):
+                if key.fileobj is not sock:
+                    key.fileobj.close()
+            selector.close()
+            wake_w.close()
 
-    def _handle(self, sock, handlers, msg: list) -> None:
-        if len(msg) < 2 or len(msg[1]) != REQUEST.size:
+    @staticmethod
+    def _accept(sock, selector) -> None:
+        while True:
+            try:
+                conn, _addr = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return      # out of file descriptors, say: the client retries within its timeout
+            conn.setblocking(False)
+            selector.register(conn, selectors.EVENT_READ, _Client())
+
+    def _serve_client(self, conn, client: "_Client", events: int, selector, handlers) -> None:
+        """Read what the client sent, answer each whole request, and send
+        what the socket takes; a client that is gone or sends garbage is
+        dropped."""
+        try:
+            if events & selectors.EVENT_READ:
+                while not client.outbox.pending:
+                    try:
+                        data = conn.recv(1 << 20)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    if not data:
+                        raise PeerGone("closed")
+                    for message in client.inbox.feed(data):
+                        client.outbox.put(self._handle(handlers, message))
+                    if len(data) < (1 << 20):
+                        break
+            done = client.outbox.flush(conn)
+        except (OSError, PeerGone):
+            selector.unregister(conn)
+            conn.close()
             return
-        ident = msg[0].bytes
-        op, flags, key_len, rid, epoch, arg = REQUEST.unpack(msg[1].buffer)
+        # While a reply waits for room, read nothing more from this client.
+        selector.modify(conn, selectors.EVENT_READ if done else selectors.EVENT_WRITE, client)
+
+    def _handle(self, handlers, message: list) -> list:
+        if not message or message[0].nbytes != REQUEST.size:
+            raise PeerGone("not a request")
+        op, flags, key_len, rid, epoch, arg = REQUEST.unpack(message[0])
         if epoch != self.epoch and op not in EPOCH_FREE_OPS:
-            sock.send_multipart([ident, REPLY.pack(Status.STALE, rid, self.epoch)])
-            return
+            return [REPLY.pack(Status.STALE, rid, self.epoch)]
         handler = handlers.get(op)
         try:
             if handler is None:
                 raise ValueError(f"unknown op {op}")
-            # Zero-copy views of the frames: a batch of 8k keys is 256 KiB.
-            status, frames = handler(flags, key_len, arg, [frame.buffer for frame in msg[2:]])
+            status, frames = handler(flags, key_len, arg, message[1:])
         except Exception as exc:  # a bad request must not take the server down
             status, frames = Status.ERROR, [f"{type(exc).__name__}: {exc}".encode()]
-        sock.send_multipart([ident, REPLY.pack(status, rid, self.epoch), *frames])
+        return [REPLY.pack(status, rid, self.epoch), *frames]
 
     # -- the ops that are the server's, not the index's
 
@@ -273,6 +324,14 @@ class IndexServer:
     def _op_shutdown(self, flags, key_len, arg, frames):
         self.stopping = True
         return Status.OK, []
+
+
+def _drain(sock) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
 
 
 def _create_mapped(path: str, nbytes: int) -> mmap.mmap:
