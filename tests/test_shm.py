@@ -788,6 +788,47 @@ FAKE_SERVER = """
 """
 
 
+OLD_SERVER = """
+    import fcntl, os, socket, sys, time
+    from store_backends import shm_server as proto
+
+    rundir, name = sys.argv[1:3]
+    paths = proto.Paths(name, rundir)
+    lock = os.open(paths.pid_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.write(lock, b"%d\\n" % os.getpid())
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(paths.socket)
+    listener.listen(8)
+    print("ready", flush=True)
+    held = []
+    while True:
+        conn, _ = listener.accept()
+        conn.sendall(b"\\xff" + bytes(8) + b"\\x7f")     # a ZeroMQ (ZMTP) greeting, and nothing else
+        held.append(conn)
+"""
+
+
+def test_a_server_of_the_older_zeromq_protocol_is_named_and_can_be_stopped(shm):
+    """Servers outlive the engines that started them, so one of the
+    version before this transport may still run after an upgrade: a client
+    says so and how to stop it, and stopping it works."""
+    proc = shm.python(OLD_SERVER, shm.rundir, shm.name, wait=False)
+    try:
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        started = time.monotonic()
+        with pytest.raises(StoreOpenError, match=r"older version that speaks ZeroMQ.*ucm shm stop"):
+            open_store(shm.url(timeout="5"))
+        assert time.monotonic() - started < 3
+        assert stop_server(shm.name, shm.rundir, timeout_s=5)
+        assert proc.wait(5) != 0 and not server_running(shm.name, shm.rundir)
+    finally:
+        proc.kill()
+        proc.wait()
+    with open_store(shm.url(capacity="1MiB")) as store:     # and a current one starts in its place
+        assert store.put([b"k"], [b"v"]) == [True] and store.get([b"k"]) == [b"v"]
+
+
 @pytest.fixture
 def fake_server(shm):
     started = []
@@ -889,6 +930,40 @@ def test_each_operation_on_a_stopped_server_gives_up_within_its_timeout(shm):
         assert store.put([b"k4"], [b"v"]) == [True]
         assert store.get([b"k", b"k4"]) == [b"v", b"v"]
         assert store.stats().extra["server_pid"] == pid
+
+
+def test_a_stopped_server_with_a_full_accept_queue_costs_a_timeout_not_a_hang(shm):
+    """Every request that timed out leaves a connection in a stopped
+    server's accept queue; once the queue is full, connecting must fail
+    within the timeout too, not block the caller until the server runs."""
+    import socket
+
+    with open_store(shm.url(capacity="1MiB", timeout="1")) as store:
+        assert store.put([b"k"], [b"v"]) == [True]
+        pid = store.stats().extra["server_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        queued = []
+        try:
+            while True:         # fill the accept queue
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    sock.connect(store.paths.socket)
+                except BlockingIOError:
+                    sock.close()
+                    break
+                queued.append(sock)
+                assert len(queued) < 100_000
+            started = time.monotonic()
+            assert store.put([b"k2"], [b"v"]) == [False]
+            with pytest.raises(StoreUnavailableError, match="did not answer|does not answer"):
+                store.stats()
+            assert time.monotonic() - started < 2 * (1 + 0.7)
+        finally:
+            for sock in queued:
+                sock.close()
+            os.kill(pid, signal.SIGCONT)
+        assert store.get([b"k"]) == [b"v"]
 
 
 def test_threads_waiting_on_another_threads_reconnect_give_up_within_their_timeout(shm):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import time
 
@@ -181,7 +182,15 @@ def stop_server(name: str, runtime_dir: str | None = None, timeout_s: float = 10
     if not paths.server_running():
         return False
     deadline = time.monotonic() + timeout_s
-    _request(paths, Op.SHUTDOWN, timeout_s=min(timeout_s, 2.0))
+    if _request(paths, Op.SHUTDOWN, timeout_s=min(timeout_s, 2.0)) is None:
+        # No answer: a busy server, or one of an older version that speaks
+        # another protocol.  SIGTERM makes any of them exit cleanly.
+        pid = paths.server_pid()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
     while paths.server_running():
         if time.monotonic() > deadline:
             raise TimeoutError(f"the shm server of {name!r} did not exit within {timeout_s:g}s")

@@ -27,7 +27,7 @@ from .launch import ServerSettings, start_server
 from .paths import Paths, ShmServerNotRunning, UnsafeRuntimeDir, name_arg
 from .protocol import PROTOCOL_VERSION, REPLY, REQUEST, Op, Status
 from .segments import BadServer, Segments
-from .transport import PeerGone, receive, send
+from .transport import OLDER_SERVER, PeerGone, receive, send
 
 _POLL_SLICE_S = 0.05
 #: How often a request retries connecting to a server that holds its PID
@@ -95,12 +95,15 @@ class ServerConnection:
                     sock.close()
                 tls.sock = None
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                # Non-blocking before connecting: a stopped server's full
+                # accept queue then fails the connect at once (the caller
+                # retries within its deadline) instead of blocking it.
+                sock.setblocking(False)
                 try:
                     sock.connect(self.paths.socket)
                 except OSError:
                     sock.close()
                     raise
-                sock.setblocking(False)
                 self._sockets.add(sock)
                 tls.sock = sock
                 tls.gen = self._sock_gen
@@ -151,7 +154,14 @@ class ServerConnection:
             reply = None
             if send(sock, message, deadline, running, _POLL_SLICE_S):
                 reply = receive(sock, deadline, running, _POLL_SLICE_S)
-        except (OSError, PeerGone):
+        except PeerGone as exc:
+            self._drop_socket()
+            if str(exc) == OLDER_SERVER:
+                self._invalidate_sockets()
+                raise NoAnswer(f"{exc}; stop it (`ucm shm stop {self._name_arg}`; its blocks are dropped)"
+                               ) from None
+            raise self._no_answer() from None
+        except OSError:
             reply = None        # the server closed the connection: gone, or it refused what it got
         if reply is None:
             self._drop_socket()

@@ -168,6 +168,19 @@ class Paths:
         finally:
             os.close(fd)
 
+    def server_pid(self) -> int | None:
+        """The PID the live server wrote into its PID lock; None when no
+        server holds it (or it has not written it yet)."""
+        if not self.server_running():
+            return None
+        try:
+            with open(self.pid_lock, "rb") as f:
+                text = f.read(32)
+            pid = int(text.strip() or b"0")
+        except (OSError, ValueError):
+            return None
+        return pid if pid > 0 else None
+
     def segment(self, epoch: int, kind: str) -> str:
         return os.path.join(SEGMENT_DIR, f"ucm-shm.{self.name}.{epoch:016x}.{kind}")
 

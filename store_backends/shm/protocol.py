@@ -7,7 +7,8 @@ framed, and the defaults both ends agree on.  Must not do I/O, know where
 files live (``paths``), or hold state: the server (``server``) and the client
 (``client``) are the two ends that speak it.
 
-Wire format (all integers little-endian).  A request is a multipart message:
+Wire format (all integers little-endian).  A request is a message of
+frames (framed on the socket as ``transport`` says):
 frame 0 is the header ``REQUEST`` = op u8, flags u8, key_len u16, request_id
 u32, epoch u64, arg i64; then, for ops that take keys, the keys as one frame
 (concatenated) and, when key_len is 0 (keys of different lengths), a frame of
@@ -30,7 +31,7 @@ import struct
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2     # 2: framed messages over a plain unix socket (``transport``), not ZeroMQ
 DEFAULT_CHUNK_NBYTES = 64 * 1024
 DEFAULT_LEASE_TIMEOUT_S = 600.0
 

@@ -214,7 +214,10 @@ class IndexServer:
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
         wake_w.setblocking(False)
-        old_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+        try:
+            old_wakeup = signal.set_wakeup_fd(wake_w.fileno())
+        except ValueError:          # not the main thread: signals are noticed within a sweep
+            old_wakeup = None
         selector.register(wake_r, selectors.EVENT_READ)
         try:
             while not self.stopping:
@@ -236,7 +239,8 @@ class IndexServer:
                         and not chunks.leases):
                     break
         finally:
-            signal.set_wakeup_fd(old_wakeup)
+            if old_wakeup is not None:
+                signal.set_wakeup_fd(old_wakeup)
             for key in list(selector.get_map().values()):
                 if key.fileobj is not sock:
                     key.fileobj.close()

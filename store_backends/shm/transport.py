@@ -30,6 +30,10 @@ _COUNT = struct.Struct("<I")
 MAX_FRAMES = 64
 MAX_NBYTES = 1 << 31
 _RECV_NBYTES = 1 << 20
+#: Servers before this transport spoke ZeroMQ, whose greeting begins with
+#: this byte (and, read as a frame count, is far above ``MAX_FRAMES``).
+ZMTP_SIGNATURE_START = b"\xff"
+OLDER_SERVER = "it is of an older version that speaks ZeroMQ"
 _FIRST_RECV_NBYTES = 1 << 16
 
 
@@ -49,6 +53,8 @@ def _parse_header(buf, start: int = 0) -> tuple[int, list[int]] | None:
         return None
     (count,) = _COUNT.unpack_from(buf, start)
     if count > MAX_FRAMES:
+        if bytes(buf[start:start + 1]) == ZMTP_SIGNATURE_START:
+            raise PeerGone(OLDER_SERVER)
         raise PeerGone(f"a message of {count} frames")
     size = _COUNT.size + 8 * count
     if len(buf) - start < size:
