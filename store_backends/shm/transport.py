@@ -4,10 +4,10 @@ A message is a list of frames (``protocol`` says what each holds), sent as
 a u32 frame count, a u64 length per frame, then the frames' bytes, all
 little-endian.  One socket carries one request at a time and its reply, in
 order.  Owns that framing and both ends' ways of moving it: a client's
-blocking send and its receive within a deadline (``send``, ``receive``),
-and a server's incremental reader and non-blocking writer for many
-connections (``Inbox``, ``Outbox``).  Must not know what a frame means, the
-server's state or the client's reconnects (``connection``, ``server``).
+send and receive within a deadline (``send``, ``receive``), and a server's
+incremental reader and non-blocking writer for many connections
+(``Inbox``, ``Outbox``).  Must not know what a frame means, the server's
+state or the client's reconnects (``connection``, ``server``).
 
 A plain unix socket costs a fraction of a ZeroMQ one here: no I/O thread
 between the caller and the kernel on either side, so a request and its
@@ -16,7 +16,6 @@ reply take one wake-up of each process.
 
 from __future__ import annotations
 
-import errno
 import math
 import select
 import socket
@@ -41,7 +40,7 @@ class PeerGone(Exception):
     """The other end closed the connection, or sent what is not a message."""
 
 
-def pack_header(frames: Sequence) -> bytes:
+def _pack_header(frames: Sequence) -> bytes:
     lengths = [memoryview(f).nbytes for f in frames]
     return struct.pack(f"<I{len(lengths)}Q", len(lengths), *lengths)
 
@@ -80,7 +79,7 @@ def send(sock: socket.socket, frames: Sequence, deadline: float, still_waiting: 
     ``deadline`` at most and asking ``still_waiting()`` every ``slice_s``:
     whether all of it went (False: the socket holds part of a message and
     must not be used again).  Raises ``OSError`` when the peer is gone."""
-    views = [memoryview(pack_header(frames))] + [memoryview(f).cast("B") for f in frames]
+    views = [memoryview(_pack_header(frames))] + [memoryview(f).cast("B") for f in frames]
     views = [v for v in views if v.nbytes]
     poller = None
     while views:
@@ -143,11 +142,6 @@ def receive(sock: socket.socket, deadline: float, still_waiting: Callable[[], bo
             return [bytes(frame) for frame in _split(data, header[1])]
 
 
-def is_gone(exc: OSError) -> bool:
-    """Whether ``exc`` says the other end of a connection is gone."""
-    return exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOENT, errno.ENOTCONN)
-
-
 class Inbox:
     """A server's reader of one connection: feed it what ``recv`` returns,
     take the complete messages."""
@@ -187,7 +181,7 @@ class Outbox:
         return bool(self._views)
 
     def put(self, frames: Sequence) -> None:
-        self._views.append(memoryview(pack_header(frames)))
+        self._views.append(memoryview(_pack_header(frames)))
         self._views.extend(v for v in (memoryview(f).cast("B") for f in frames) if v.nbytes)
 
     def flush(self, sock: socket.socket) -> bool:
