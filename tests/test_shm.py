@@ -234,6 +234,21 @@ def test_a_get_asks_the_server_only_for_values_the_locations_cannot_prove(shm):
         assert (after.num_gets - before.num_gets, after.num_hits - before.num_hits) == (8, 6)
 
 
+def test_requests_and_replies_larger_than_the_socket_buffers_go_through_whole(shm):
+    """100,000 keys of 40 bytes: the ALLOC request, the GET and its reply
+    and the key listing are megabytes each, far above what a unix socket
+    buffers, so both ends send and receive them in many parts."""
+    keys = [b"big-%036d" % i for i in range(100_000)]
+    with open_store(shm.url(capacity="1MiB")) as store:
+        assert store.put(keys, [b""] * len(keys)) == [True] * len(keys)      # empty values take no chunk
+        assert store.get(keys[::-1]) == [b""] * len(keys)
+        listed = [k for batch in store.iter_keys(batch=30_000) for k in batch]
+        assert sorted(listed) == keys
+        store.delete(keys[::2])
+        assert store.contains(keys[:4]) == [False, True, False, True]
+        assert store.stats().num_blocks == len(keys) // 2
+
+
 # ---------------------------------------------------------------- processes
 
 def test_blocks_are_shared_across_processes_and_outlive_their_writer(shm):

@@ -65,6 +65,18 @@ def test_probe_chains_tombstones_and_when_a_reader_must_ask():
     assert reader.lookup(chain) is None
 
 
+def test_an_insert_past_half_full_switches_the_table_off_at_once():
+    """A batch of more keys than the table holds must not probe a full
+    table key by key: the insert that would pass half full switches the
+    table off, and readers ask the server."""
+    writer, reader = _table(64)
+    fps = np.arange(2, 2 + 40, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    fps[fps < 2] += np.uint64(2)
+    slots = [writer.insert(int(fp)) for fp in fps]
+    assert all(s >= 0 for s in slots[:32]) and slots[32:] == [-1] * 8
+    assert not writer.active and reader.lookup(fps[:4]) is None
+
+
 def test_the_table_answers_as_the_index_does_through_every_change():
     """Random puts (some of empty values, which take no chunk, so that the
     index outgrows a small table), overwrites, deletes, evictions and

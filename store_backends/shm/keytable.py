@@ -193,9 +193,19 @@ class KeyTableWriter:
                 "key_table_used": int(self.header[_USED]), "key_table_active": self.active}
 
     def insert(self, fp: int) -> int:
-        """Publish ``fp``; its slot (-1 while the table is switched off, or
-        once it is too full: the caller rebuilds)."""
+        """Publish ``fp``; its slot (-1 while the table is switched off).
+        An insert that would fill more than half of the table switches it
+        off instead (readers then ask the server), so that a batch of more
+        keys than the table holds never probes a full table key by key;
+        the caller's next rebuild switches it on again once the index is
+        small enough."""
         if not self.active:
+            return -1
+        if int(self.header[_LIVE]) + 1 > MAX_LIVE * self.slots:
+            header = self.header
+            header[_SEQ] += np.uint64(1)       # readers that started before see the change
+            header[_STATE] = DISABLED
+            header[_SEQ] += np.uint64(1)
             return -1
         table, mask = self.table, self.mask
         pos = fp & mask

@@ -93,12 +93,17 @@ def send(sock: socket.socket, frames: Sequence, deadline: float, still_waiting: 
                 if time.monotonic() >= deadline or not still_waiting():
                     return False
             continue
-        while views and sent >= views[0].nbytes:
-            sent -= views[0].nbytes
-            views.pop(0)
-        if sent:
-            views[0] = views[0][sent:]
+        _advance(views, sent)
     return True
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drop the first ``sent`` bytes of ``views`` (what ``sendmsg`` took)."""
+    while views and sent >= views[0].nbytes:
+        sent -= views[0].nbytes
+        views.pop(0)
+    if sent:
+        views[0] = views[0][sent:]
 
 
 def _wait_ms(deadline: float, slice_s: float) -> int:
@@ -193,9 +198,5 @@ class Outbox:
                 sent = sock.sendmsg(views[:512])
             except BlockingIOError:
                 return False
-            while views and sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            if sent:
-                views[0] = views[0][sent:]
+            _advance(views, sent)
         return True
