@@ -136,9 +136,9 @@ def _request(paths: Paths, op: Op, timeout_s: float) -> tuple[int, list[bytes]] 
         return None
     paths.check_rundir()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)     # a stopped server's full accept queue fails the connect, never blocks it
     try:
         sock.connect(paths.socket)
-        sock.setblocking(False)
         deadline = time.monotonic() + timeout_s
         if not transport.send(sock, [REQUEST.pack(op, 0, 0, 1, 0, 0)], deadline, lambda: True):
             return None
