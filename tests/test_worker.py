@@ -55,6 +55,20 @@ def _pages(caches, block_ids) -> list[bytes]:
             for b in block_ids]
 
 
+def _load_back(store, keys, block_ids, seed: int, device: str = "cpu") -> list[bytes]:
+    """Load ``keys`` with a new worker into ``block_ids`` of fresh caches
+    (random from ``seed``, which must not be the saved caches' own); the
+    pages it loaded, after checking that no load failed."""
+    dst = _caches(seed, device)
+    loader = _worker(store, dst)
+    try:
+        loader.load([BlockPlan("q", list(block_ids), keys)])
+        assert loader.take_load_errors() == set()
+        return _pages(dst, block_ids)
+    finally:
+        loader.close()
+
+
 def _writer_jobs(monkeypatch) -> list[int]:
     """The number of blocks in each job the save writer gets, in order."""
     from ucm_connector import saves as saves_mod
@@ -175,12 +189,7 @@ def test_a_save_goes_to_the_writer_in_parts_and_every_block_arrives(store, devic
     # On CPU a store that writes from the pages takes them all at once.
     assert parts == ([] if direct else [2, 2, 2, 1])
     assert direct == (store.writes_from_parts and device == "cpu")
-    dst = _caches(7, device)
-    loader = _worker(store, dst)
-    loader.load([BlockPlan("q", list(range(10, 17)), keys)])
-    assert loader.take_load_errors() == set()
-    assert _pages(dst, range(10, 17)) == _pages(src, range(7))
-    loader.close()
+    assert _load_back(store, keys, range(10, 17), 7, device) == _pages(src, range(7))
 
 
 def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer(tmp_path, monkeypatch):
@@ -223,12 +232,7 @@ def test_a_direct_save_the_store_refuses_sends_the_next_saves_through_the_writer
         assert jobs == [2]
         assert w.saves._direct_pause == saves_mod.DIRECT_SAVE_PAUSE_S
         assert w.stats.totals()["saved_blocks"] == 4
-        dst = _caches(12)
-        loader = _worker(store, dst)
-        loader.load([BlockPlan("q", [10, 11, 12, 13], keys[2:6])])
-        assert loader.take_load_errors() == set()
-        assert _pages(dst, range(10, 14)) == _pages(src, range(2, 6))
-        loader.close()
+        assert _load_back(store, keys[2:6], range(10, 14), 12) == _pages(src, range(2, 6))
     finally:
         w.close()
         store.shutdown_server()
@@ -253,12 +257,7 @@ def test_a_tier_over_shm_saves_straight_from_the_pages_and_the_lower_tier_gets_t
         tier.close()
         tier.stores[0].shutdown_server()
     with open_store(f"disk://{tmp_path}/disk") as disk:
-        dst = _caches(15)
-        loader = _worker(disk, dst)
-        loader.load([BlockPlan("q", list(range(10, 15)), keys)])
-        assert loader.take_load_errors() == set()
-        assert _pages(dst, range(10, 15)) == _pages(src, range(5))
-        loader.close()
+        assert _load_back(disk, keys, range(10, 15), 15) == _pages(src, range(5))
 
 
 def test_a_re_save_replaces_the_stored_block_through_the_writer(store, monkeypatch):
@@ -278,12 +277,7 @@ def test_a_re_save_replaces_the_stored_block_through_the_writer(store, monkeypat
     assert second.flush(10)
     second.close()
     assert jobs[-1] == 2
-    dst = _caches(18)
-    loader = _worker(store, dst)
-    loader.load([BlockPlan("q", [10, 11], keys)])
-    assert loader.take_load_errors() == set()
-    assert _pages(dst, [10, 11]) == _pages(new, [0, 1])
-    loader.close()
+    assert _load_back(store, keys, [10, 11], 18) == _pages(new, [0, 1])
 
 
 def test_a_stopped_shm_server_refuses_a_direct_save_and_the_next_go_through_the_writer(tmp_path, monkeypatch):
