@@ -13,9 +13,8 @@ On CPU, a store that writes a value from several buffers
 (``writes_from_parts``: shm, or a tier over shm) instead takes the blocks
 straight from the pages in ``wait_for_save`` (one copy, not two), unless
 the step re-saves blocks (their deletes stay on the writer); after it
-refuses a save,
-saves go through the writer for ``DIRECT_SAVE_PAUSE_S``, twice as long
-after each further refusal in a row.
+refuses a save, saves go through the writer for ``DIRECT_SAVE_PAUSE_S``,
+twice as long after each further refusal in a row.
 
 With ``save_layerwise`` the gather moves into the forward pass: the step's
 save blocks get their rows when the step begins, each layer's pages are
