@@ -1082,3 +1082,60 @@ def test_a_name_starting_with_a_dash_works_end_to_end(shm):
     stop = subprocess.run(cmd + ["stop", "--runtime-dir", shm.rundir, "--", shm.name],
                           capture_output=True, text=True, env=env, timeout=30)
     assert stop.returncode == 0 and server_processes(shm.name) == [] and shm.leftovers() == []
+
+
+def test_a_commit_reaching_a_restarted_server_never_commits_another_writers_lease(shm):
+    """A put whose server is replaced between its ALLOC and its COMMIT (the
+    store reconnected meanwhile, on another thread) must fail, and must not
+    commit the new server's lease of the same number: that is another
+    writer's, whose chunks hold nothing yet."""
+    import threading
+    url = shm.url(capacity="4MiB", chunk="4KiB", timeout="10")
+    a = open_store(url)
+    b = open_store(url)
+    b_copying = threading.Event()
+    b_may_go = threading.Event()
+    b_result = []
+
+    def b_put():
+        def wait(_i):
+            b_copying.set()
+            assert b_may_go.wait(30)
+        for _attempt in range(3):       # the first put finds the old server gone
+            result = b.put_parts([b"b-key"], [[value_for(b"b-key", 8192)]], before_value=wait)
+            if result == [True] or b_copying.is_set():
+                break
+        b_result.append(result)
+
+    def restart_meanwhile(_i):
+        assert shm_server.stop_server(shm.name, shm.rundir)
+        thread = threading.Thread(target=b_put)
+        thread.start()
+        assert b_copying.wait(30)       # b holds the new server's first lease, as a held the old one's
+        # A get on another thread finds the new server and remaps.
+        reconnect = threading.Thread(target=lambda: [_try(a.get, [b"x"]) for _ in range(2)])
+        reconnect.start()
+        reconnect.join()
+        restart_meanwhile.thread = thread
+
+    try:
+        assert a.put_parts([b"a-key"], [[value_for(b"a-key", 8192)]], before_value=restart_meanwhile) == [False]
+        other = open_store(url)
+        assert other.contains([b"b-key", b"a-key"]) == [False, False]
+        b_may_go.set()
+        restart_meanwhile.thread.join(30)
+        assert b_result == [[True]]
+        assert other.get([b"b-key"]) == [value_for(b"b-key", 8192)]
+    finally:
+        b_may_go.set()
+        for store in (a, b):
+            store.close()
+        if "other" in locals():
+            other.close()
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except StoreUnavailableError:
+        return None

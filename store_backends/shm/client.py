@@ -175,11 +175,11 @@ class ShmStore(KVStore):
     # ------------------------------------------------------------ requests
 
     def _request(self, op: int, frames: Sequence[bytes] = (), *, key_len: int = 0, flags: int = 0,
-                 arg: int = 0, bound: bool = True, deadline: float | None = None
+                 arg: int = 0, bound: bool = True, deadline: float | None = None, epoch: int | None = None
                  ) -> tuple[Segments, int, list[bytes]]:
         """One request to the server (``ServerConnection.request``)."""
         return self._conn.request(op, frames, key_len=key_len, flags=flags, arg=arg, bound=bound,
-                                  deadline=deadline)
+                                  deadline=deadline, epoch=epoch)
 
     @property
     def _pid(self) -> int:
@@ -266,7 +266,7 @@ class ShmStore(KVStore):
             raise
         deadline += time.monotonic() - copy_started
         try:
-            _seg, commit_status, _ = self._request(Op.COMMIT, arg=lease_id, deadline=deadline)
+            _seg, commit_status, _ = self._request(Op.COMMIT, arg=lease_id, deadline=deadline, epoch=seg.epoch)
         except StoreUnavailableError:
             return [r for r in result]
         if commit_status == Status.OK:

@@ -343,14 +343,19 @@ class ServerConnection:
         return seg
 
     def request(self, op: int, frames: Sequence[bytes] = (), *, key_len: int = 0, flags: int = 0,
-                arg: int = 0, bound: bool = True, deadline: float | None = None
+                arg: int = 0, bound: bool = True, deadline: float | None = None, epoch: int | None = None
                 ) -> tuple[Segments, int, list[bytes]]:
         """One request, within ``deadline`` (default: ``timeout`` from now)
         including any reconnect; for ops that name chunks (``bound``), the
         request carries the epoch of our mapping and is retried after a
-        remap when the server is a newer one."""
+        remap when the server is a newer one.  A request that names a lease
+        (or chunks) handed out in ``epoch`` is never retried under another:
+        a newer server's lease of the same number is another writer's, so it
+        raises ``StoreUnavailableError`` instead."""
         if deadline is None:
             deadline = self.deadline()
+        if epoch is not None:
+            return self._request_in(epoch, op, frames, key_len=key_len, flags=flags, arg=arg, deadline=deadline)
         for _attempt in range(3):
             seg = self._segments(deadline)
             try:
@@ -364,6 +369,26 @@ class ServerConnection:
                 continue
             return seg, status, out
         raise StoreUnavailableError(f"store '{self.url}' unavailable: the shm server keeps restarting")
+
+    def _request_in(self, epoch: int, op: int, frames: Sequence[bytes], *, key_len: int, flags: int, arg: int,
+                    deadline: float) -> tuple[Segments, int, list[bytes]]:
+        gone = StoreUnavailableError(f"store '{self.url}' unavailable: the shm server restarted during the "
+                                     f"operation (what it had started is dropped)")
+        if self._closed:
+            raise StoreUnavailableError(f"store '{self.url}' is closed")
+        seg = self._seg
+        if seg is None or seg.epoch != epoch:
+            raise gone
+        try:
+            status, reply_epoch, out = self.call(op, frames, deadline=deadline, key_len=key_len, flags=flags,
+                                                 arg=arg, epoch=epoch)
+        except NoAnswer as exc:
+            raise self._unavailable(exc) from None
+        if status == Status.STALE or reply_epoch != epoch:
+            with self._lock:
+                self._seg_broken = True
+            raise gone
+        return seg, status, out
 
     def close(self) -> None:
         """Close the sockets and unmap the segments; later requests raise
