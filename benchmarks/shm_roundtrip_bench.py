@@ -4,7 +4,8 @@
 
 Starts a private shm store (capacity 1 GiB), then times, as p50 over
 ``--rounds``: a bare request (HELLO), each request of a put (ALLOC and
-COMMIT, timed inside ``put``), a whole ``put`` of ``--batch`` values of
+COMMIT, or PUT for a put into a reservation; timed inside ``put``), a
+whole ``put`` of ``--batch`` values of
 ``--value-kib``, a ``get_into`` of them, and one ``np.copyto`` of the same
 number of bytes (what the copies alone cost).  The store is stopped
 afterwards.  Every value read back is compared with what was put.
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     values = [rng.integers(0, 256, nbytes, np.uint8).tobytes() for _ in range(args.batch)]
     store = open_store(f"shm://{name}?capacity=1GiB")
     try:
-        by_op: dict[str, list[float]] = {"ALLOC": [], "COMMIT": []}
-        inner = store._request
+        by_op: dict[str, list[float]] = {"ALLOC": [], "COMMIT": [], "PUT": []}
+        inner = store._conn.request
 
         def timed(op, *a, **k):
             started = time.perf_counter()
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 if Op(op).name in by_op:
                     by_op[Op(op).name].append(time.perf_counter() - started)
 
-        store._request = timed
+        store._conn.request = timed
         hello, puts, gets = [], [], []
         buffers = [bytearray(nbytes) for _ in range(args.batch)]
         for r in range(args.rounds):
@@ -77,11 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             np.copyto(dst, src)
             copies.append(time.perf_counter() - started)
         print(f"{args.batch} values of {args.value_kib} KiB, p50 of {args.rounds} rounds (ms)")
-        print(f"  HELLO {_p50_ms(hello):.3f}  ALLOC {_p50_ms(by_op['ALLOC']):.3f}  "
-              f"COMMIT {_p50_ms(by_op['COMMIT']):.3f}")
+        print("  HELLO %.3f  " % _p50_ms(hello)
+              + "  ".join(f"{op} {_p50_ms(t):.3f} (x{len(t)})" for op, t in by_op.items() if t))
         print(f"  put {_p50_ms(puts):.3f}  get_into {_p50_ms(gets):.3f}  one np.copyto of the batch "
               f"{_p50_ms(copies):.3f}")
-        print(f"  local gets {store.stats().extra.get('local_gets', 'n/a')}")
+        extra = store.stats().extra
+        print(f"  local gets {extra.get('local_gets', 'n/a')}, puts into a reservation "
+              f"{extra.get('reserved_puts', 'n/a')}")
     finally:
         store.close()
         stop_server(name)

@@ -629,8 +629,9 @@ def test_op_codes_are_an_int_enum_with_the_numbers_on_the_wire():
     assert issubclass(Op, enum.IntEnum)
     assert {op.name: op.value for op in Op} == {
         "HELLO": 1, "CONTAINS": 2, "PREFIX": 3, "GET": 4, "ALLOC": 5, "COMMIT": 6, "ABORT": 7, "DELETE": 8,
-        "STATS": 9, "CLEAR": 10, "SHUTDOWN": 11, "KEYS": 12, "TOUCH": 13}
-    assert {flag.name: flag.value for flag in Flag} == {"OVERWRITE": 1, "NO_TOUCH": 2, "TOUCHED": 4}
+        "STATS": 9, "CLEAR": 10, "SHUTDOWN": 11, "KEYS": 12, "TOUCH": 13, "PUT": 14}
+    assert {flag.name: flag.value for flag in Flag} == {"OVERWRITE": 1, "NO_TOUCH": 2, "TOUCHED": 4, "RESERVE": 8,
+                                                     "RELEASE": 16}
     assert issubclass(Status, enum.IntEnum) and issubclass(Alloc, enum.IntEnum)
     assert issubclass(Flag, enum.IntFlag)
     assert REQUEST.unpack(REQUEST.pack(Op.GET, Flag.NO_TOUCH, 0, 1, 0, 0))[:2] == (Op.GET, Flag.NO_TOUCH)
@@ -1139,3 +1140,107 @@ def _try(fn, *args):
         return fn(*args)
     except StoreUnavailableError:
         return None
+
+
+# ---------------------------------------------------------------- puts in one request
+
+def _reservations(store) -> dict:
+    extra = store.stats().extra
+    return {k: extra.get(k, 0) for k in ("reserved_puts", "reserved_chunks", "reservations", "reservations_refused",
+                                         "leased_chunks")}
+
+
+def test_back_to_back_puts_copy_into_chunks_reserved_by_the_previous_one(shm):
+    """Each put reserves chunks for a next one like it (from free chunks);
+    a put that fits uses them in one request, smaller ones hand back what
+    they leave, a larger one gives the reservation back with its ALLOC, and
+    closing gives back the last."""
+    url = shm.url(capacity="4MiB", chunk="4KiB")
+    with open_store(url) as store:
+        batches = [[b"r%d-%d" % (r, i) for i in range(8)] for r in range(4)]
+        for keys in batches:
+            assert store.put(keys, [value_for(k, 10_000) for k in keys]) == [True] * 8
+        got = _reservations(store)
+        # 3 chunks per value, 8 values: one reservation held, three used.
+        assert got["reserved_puts"] == 3 and got["reserved_chunks"] == got["leased_chunks"] == 24
+        smaller = [b"s%d" % i for i in range(3)]
+        assert store.put(smaller, [value_for(k, 5000) for k in smaller]) == [True] * 3
+        assert _reservations(store)["reserved_chunks"] == 6       # the next one is like this put
+        larger = [b"l%d" % i for i in range(5)]
+        assert store.put(larger, [value_for(k, 5000) for k in larger]) == [True] * 5
+        got = _reservations(store)
+        assert got["reserved_puts"] == 4 and got["reserved_chunks"] == got["leased_chunks"] == 10
+        # An empty value and values that fill their chunks exactly.
+        odd = [b"e", b"x", b"y"]
+        assert store.put(odd, [b"", value_for(b"x", 8192), value_for(b"y", 4096)]) == [True] * 3
+        everything = [k for keys in batches for k in keys] + smaller + larger + odd
+        want = ([value_for(k, 10_000) for keys in batches for k in keys] + [value_for(k, 5000) for k in smaller]
+                + [value_for(k, 5000) for k in larger] + [b"", value_for(b"x", 8192), value_for(b"y", 4096)])
+        assert store.get(everything) == want
+        stats = store.stats()
+        assert stats.num_blocks == len(everything) and stats.nbytes == sum(map(len, want))
+    with open_store(url) as store:
+        got = _reservations(store)
+        assert got["reserved_chunks"] == got["leased_chunks"] == 0
+        assert store.stats().extra["used_chunks"] == 32 * 3 + 8 * 2 + 2 + 1
+
+
+def test_a_reservation_never_evicts_and_a_full_store_is_put_to_in_two_requests(shm):
+    with open_store(shm.url(capacity="1MiB", chunk="4KiB")) as store:
+        keys = [b"k%03d" % i for i in range(64)]
+        for i in range(0, 64, 4):   # 16 KiB per put: the last ones find no free chunks to reserve
+            assert store.put(keys[i:i + 4], [value_for(k, 16_384) for k in keys[i:i + 4]]) == [True] * 4
+        got = _reservations(store)
+        assert got["reservations_refused"] >= 1 and got["reserved_chunks"] == 0
+        assert store.stats().num_evictions == 0
+        assert store.get(keys) == [value_for(k, 16_384) for k in keys]
+
+
+def test_a_reservation_past_its_use_window_is_given_back_not_used(shm):
+    # A lease timeout of 1 s: reservations may be used for half of it.
+    with open_store(shm.url(capacity="4MiB", chunk="4KiB", lease_timeout="1")) as store:
+        assert store.put([b"a"], [value_for(b"a", 8000)]) == [True]
+        assert _reservations(store)["reserved_chunks"] == 2
+        time.sleep(0.6)
+        assert store.put([b"b"], [value_for(b"b", 8000)]) == [True]
+        got = _reservations(store)
+        assert got["reserved_puts"] == 0 and got["reserved_chunks"] == got["leased_chunks"] == 2
+        assert store.get([b"a", b"b"]) == [value_for(b"a", 8000), value_for(b"b", 8000)]
+
+
+def test_the_reservation_of_a_killed_writer_is_reclaimed(shm):
+    url = shm.url(capacity="4MiB", chunk="4KiB")
+    writer = shm.python("""
+        import sys, time
+        from store_backends import open_store
+        store = open_store(sys.argv[1])
+        assert store.put([b"w"], [b"v" * 40_000]) == [True]
+        print("reserved", flush=True)
+        time.sleep(600)
+    """, url, wait=False)
+    assert writer.stdout.readline().strip() == "reserved"
+    with open_store(url) as store:
+        assert _reservations(store)["reserved_chunks"] == 10
+        writer.kill()
+        writer.wait()
+        wait_for(lambda: _reservations(store)["leased_chunks"] == 0, 5, "the reservation to be reclaimed")
+        assert _reservations(store)["reserved_chunks"] == 0
+        assert store.get([b"w"]) == [b"v" * 40_000]
+
+
+def test_a_put_that_does_not_fit_its_reservation_is_refused_and_frees_it(shm):
+    from store_backends.shm.index import ChunkIndex
+    from store_backends.shm.protocol import RESERVATION, pack_keys
+    import array
+    import numpy as np
+    index = ChunkIndex(64, 4096, lease_timeout_s=60)
+    index.gen = np.zeros(64, np.uint64)
+    _status, out = index.op_commit(Flag.RESERVE, 0, 0, [array.array("q", [5000]).tobytes()])
+    assert out == []                    # no lease 0 to commit
+    (lease_id,) = RESERVATION.unpack(index._reserve(os.getpid(), array.array("q", [5000]).tobytes())[0])
+    assert index.reserved_chunks == 2 and index.free_chunks == 62
+    key_len, frames = pack_keys([b"k"])
+    with pytest.raises(ValueError, match="does not fit"):
+        index.op_put(0, key_len, lease_id, [*frames, array.array("q", [9000]).tobytes()])
+    assert index.reserved_chunks == index.leased_chunks == 0 and index.free_chunks == 64
+    assert index.op_put(0, key_len, lease_id, [*frames, array.array("q", [10]).tobytes()])[0] == Status.LEASE_GONE

@@ -42,6 +42,13 @@ def test_fingerprints_are_stable_distinct_and_never_mark_a_free_slot():
     fps = fingerprints(many)
     assert len(set(fps.tolist())) == len(many)
     assert int(fps.min()) >= 2
+    # Small batches are hashed all words at once, large ones a word at a
+    # time: a key's fingerprint is the same either way, one length or mixed.
+    for batch in (many[:1000], [b"x" * (i % 70 + 1) for i in range(1000)]):
+        whole = fingerprints(batch).tolist()
+        assert whole == np.concatenate([fingerprints(batch[i:i + 10]) for i in range(0, 1000, 10)]).tolist()
+    # And the same as ever (clients and servers of other builds share tables).
+    assert fingerprints([b"block-000007", bytes(40)]).tolist() == [3290453045244946923, 5826075939291131100]
     with pytest.raises(ValueError, match="empty"):
         fingerprints([b"x", b""])
 

@@ -71,7 +71,8 @@ from .copies import copy, copy_run_into_parts, value_slices
 from .keytable import fingerprints
 from .launch import ServerSettings
 from .paths import Paths, name_arg, valid_name
-from .protocol import DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, Alloc, Flag, Op, Status, pack_keys, unpack_keys
+from .protocol import DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, Flag, Op, pack_keys, unpack_keys
+from .puts import Writer
 from .segments import Segments
 from .uses import Uses
 
@@ -87,14 +88,10 @@ _OPTIONS = {
     "prefault": ("prefault", parse_bool),
     "runtime_dir": ("runtime_dir", lambda text, *, url, name: text),
 }
-# Plain ints for the per-key loops of put (an enum member compares slower).
-_ALLOC_NEW = int(Alloc.NEW)
-_ALLOC_PRESENT = int(Alloc.PRESENT)
-_ALLOC_FAILED = int(Alloc.FAILED)
 
-
-#: How long closing a store waits to send its pending uses.
-_CLOSE_TOUCH_WAIT_S = 0.5
+#: How long closing a store waits to send its pending uses and give back
+#: its reservation.
+_CLOSE_WAIT_S = 0.5
 
 
 class ShmStore(KVStore):
@@ -145,6 +142,7 @@ class ShmStore(KVStore):
         # Gets answered from the published locations, and reads found torn
         # or mis-sized, not yet told to the server.
         self._uses = Uses()
+        self._writer = Writer(self._conn, self._uses, overwrite)
         try:
             self._conn.connect()
         except StoreOpenError:
@@ -191,7 +189,7 @@ class ShmStore(KVStore):
     def put(self, keys: Sequence[bytes], values: Sequence[bytes | Buffer]) -> list[bool]:
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        return self._write(keys, [[byte_view(v, writable=False)] for v in values])
+        return self._writer.write(keys, [[byte_view(v, writable=False)] for v in values])
 
     writes_from_parts = True
 
@@ -199,79 +197,8 @@ class ShmStore(KVStore):
                   before_value: Callable[[int], object] | None = None) -> list[bool]:
         if len(parts) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(parts)} lists of parts")
-        return self._write(keys, [[byte_view(p, writable=False) for p in value_parts] for value_parts in parts],
-                           before_value)
-
-    def _write(self, keys: Sequence[bytes], srcs: list[list[memoryview]],
-               before_value: Callable[[int], object] | None = None) -> list[bool]:
-        """Reserve chunks for each value (its parts, in order), copy the
-        parts straight into them (calling ``before_value(i)`` just before
-        value i's copy), and commit."""
-        if not keys:
-            return []
-        key_len, key_frames = pack_keys(keys)
-        sizes = array.array("q", [sum(p.nbytes for p in value_parts) for value_parts in srcs])
-        flags = int(Flag.OVERWRITE) if self.overwrite else 0
-        frames = [*key_frames, sizes.tobytes()]
-        uses = self._uses.take(with_late=False)
-        if uses is not None:
-            # This client's gets since its last request, so that the chunks
-            # this put evicts are the least recently used.
-            flags |= Flag.TOUCHED
-            frames += Uses.frames(*uses[:3])
-        # One deadline for the waits of both requests; the copy between them
-        # is not waiting on the server, so it extends the deadline.
-        deadline = self._conn.deadline()
-        try:
-            seg, _status, out = self._request(Op.ALLOC, frames, key_len=key_len,
-                                              flags=flags, arg=os.getpid(), deadline=deadline)
-        except StoreUnavailableError:
-            # put never raises into the hot path for a medium that is gone;
-            # the next call reconnects (or restarts the server).
-            return [False] * len(keys)
-        lease_id = int.from_bytes(out[0], "little", signed=True)
-        status = out[1]
-        nruns = array.array("I", out[2])
-        runs = array.array("i", out[3])
-        data = seg.data
-        chunk = seg.chunk
-        result = [s == _ALLOC_PRESENT for s in status]
-        if not lease_id:
-            return result
-        pos = 0
-        copy_started = time.monotonic()
-        try:
-            for i, st in enumerate(status):
-                if st != _ALLOC_NEW:
-                    continue
-                src = srcs[i]
-                size = sizes[i]
-                end = pos + 2 * nruns[i]
-                if before_value is not None:
-                    before_value(i)
-                if nruns[i] == 1:
-                    off = runs[pos] * chunk
-                    for part in src:
-                        copy(data[off:off + part.nbytes], part)
-                        off += part.nbytes
-                else:
-                    copy_into_parts(value_slices(data, chunk, runs, pos, end, size), src, copy)
-                pos = end
-        except BaseException:
-            try:
-                self._conn.call(Op.ABORT, arg=lease_id, epoch=seg.epoch,
-                                deadline=deadline + time.monotonic() - copy_started)
-            except (NoAnswer, StoreError):
-                pass  # the sweep reclaims the lease once this process is gone
-            raise
-        deadline += time.monotonic() - copy_started
-        try:
-            _seg, commit_status, _ = self._request(Op.COMMIT, arg=lease_id, deadline=deadline, epoch=seg.epoch)
-        except StoreUnavailableError:
-            return [r for r in result]
-        if commit_status == Status.OK:
-            return [st != _ALLOC_FAILED for st in status]
-        return result
+        return self._writer.write(keys, [[byte_view(p, writable=False) for p in value_parts]
+                                         for value_parts in parts], before_value)
 
     def _lookup(self, keys: Sequence[bytes], flags: int = 0):
         """Where each key's value lives: (segments, sizes (-1: miss),
@@ -563,10 +490,12 @@ class ShmStore(KVStore):
         extra = {k: info[k] for k in ("epoch", "pid", "chunk_nbytes", "num_chunks", "free_chunks",
                                       "leased_chunks", "used_chunks", "num_leases", "uptime_s",
                                       "leases_reclaimed", "idle_timeout_s", "lease_timeout_s", "key_table_slots",
-                                      "key_table_live", "key_table_used", "key_table_active") if k in info}
+                                      "key_table_live", "key_table_used", "key_table_active", "reserved_chunks",
+                                      "reservations", "reservations_refused") if k in info}
         extra["server_pid"] = extra.pop("pid", None)
         extra["torn_reads"] = torn
         extra["local_gets"] = self._uses.local_gets
+        extra["reserved_puts"] = self._writer.reserved_puts
         extra["data_path"] = info.get("data_path")
         return StoreStats(url=self.url, kind="shm", num_blocks=info["num_blocks"], nbytes=info["nbytes"],
                           capacity_nbytes=info["capacity_nbytes"], num_evictions=info.get("evictions", 0),
@@ -585,11 +514,13 @@ class ShmStore(KVStore):
 
     def close(self) -> None:
         seg = self._conn.mapped()
-        uses = self._uses.take(with_late=True) if seg is not None and self._uses.pending else None
-        if uses is not None and pid_alive(seg.server_pid):
-            try:
-                self._conn.call(Op.TOUCH, Uses.frames(*uses[:3]), arg=uses[3],
-                                deadline=time.monotonic() + min(_CLOSE_TOUCH_WAIT_S, self.timeout_s))
-            except (NoAnswer, StoreError):
-                pass    # dropped: only LRU order and counters, of a server that does not answer
+        if seg is not None and pid_alive(seg.server_pid):
+            deadline = time.monotonic() + min(_CLOSE_WAIT_S, self.timeout_s)
+            uses = self._uses.take(with_late=True) if self._uses.pending else None
+            if uses is not None:
+                try:
+                    self._conn.call(Op.TOUCH, Uses.frames(*uses[:3]), arg=uses[3], deadline=deadline)
+                except (NoAnswer, StoreError):
+                    pass    # dropped: only LRU order and counters, of a server that does not answer
+            self._writer.close(deadline)
         self._conn.close()

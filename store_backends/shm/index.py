@@ -28,7 +28,13 @@ import numpy as np
 from ..process import pid_alive
 from .keytable import KeyTableWriter, fingerprints
 from .locations import LocationWriter
-from .protocol import TOUCH_COUNTS, Alloc, Flag, Status, pack_keys, unpack_keys
+from .protocol import RELEASED, RESERVATION, TOUCH_COUNTS, Alloc, Flag, Status, pack_keys, unpack_keys
+
+#: One reservation holds at most 1/RESERVE_ONE of the chunks, all of them
+#: together at most 1/RESERVE_ALL.
+RESERVE_ONE = 16
+RESERVE_ALL = 8
+_NO_RESERVATION = [RESERVATION.pack(0), b"", b""]
 
 
 class Entry:
@@ -50,14 +56,17 @@ class Entry:
 
 
 class Lease:
-    """Chunks handed to one writer and not yet committed."""
+    """Chunks handed to one writer and not yet committed: for the keys of
+    its ALLOC, or (``reserved``) for the values of its next put, keys not
+    known yet."""
 
-    __slots__ = ("pid", "created", "overwrite", "items")
+    __slots__ = ("pid", "created", "overwrite", "items", "reserved")
 
-    def __init__(self, pid: int, overwrite: bool) -> None:
+    def __init__(self, pid: int, overwrite: bool, reserved: bool = False) -> None:
         self.pid = pid
         self.created = time.monotonic()
         self.overwrite = overwrite
+        self.reserved = reserved
         self.items: list[tuple[bytes, Entry, list[tuple[int, int]]]] = []
 
 
@@ -72,6 +81,7 @@ class ChunkIndex:
         self.num_chunks = num_chunks
         self.chunk_nbytes = chunk_nbytes
         self.lease_timeout_s = lease_timeout_s
+        self.epoch = 0          # the server's, set by it
         self.gen: np.ndarray | None = None
         self.table: KeyTableWriter | None = None
         self.where: LocationWriter | None = None
@@ -79,6 +89,7 @@ class ChunkIndex:
         self.free: collections.deque[tuple[int, int]] = collections.deque([(0, num_chunks)])
         self.free_chunks = num_chunks
         self.leased_chunks = 0
+        self.reserved_chunks = 0
         self.leases: dict[int, Lease] = {}
         self.next_lease = 1
         self.nbytes = 0
@@ -179,7 +190,86 @@ class ChunkIndex:
         for _key, entry, runs in lease.items:
             if entry.nchunks:
                 self.leased_chunks -= entry.nchunks
+                if lease.reserved:
+                    self.reserved_chunks -= entry.nchunks
                 self._free_runs(runs)
+
+    def _add_lease(self, lease: Lease) -> int:
+        lease_id = self.next_lease
+        self.next_lease += 1
+        self.leases[lease_id] = lease
+        return lease_id
+
+    def _reserve(self, pid: int, sizes_frame) -> list[bytes]:
+        """A reservation for writer ``pid``'s next put, of values of the
+        sizes in ``sizes_frame``: chunks taken from free ones only (a
+        reservation never evicts, so LRU order is what the puts make it),
+        within ``RESERVE_ONE`` and ``RESERVE_ALL``.  The reply frames."""
+        sizes = array.array("q")
+        sizes.frombytes(sizes_frame)
+        chunk = self.chunk_nbytes
+        need = [-(-size // chunk) for size in sizes]
+        total = sum(need)
+        if (not sizes or min(sizes) <= 0 or total > self.num_chunks // RESERVE_ONE
+                or self.reserved_chunks + total > self.num_chunks // RESERVE_ALL or total > self.free_chunks):
+            self.counters["reservations_refused"] += 1
+            return _NO_RESERVATION
+        lease = Lease(pid, overwrite=False, reserved=True)
+        nruns = array.array("I")
+        flat = array.array("i")
+        free = collections.deque(self._allocate(total))     # free chunks cover them: nothing is evicted
+        gen = self.gen
+        for nchunks in need:
+            # Each value's chunks, carved in order from what was taken.
+            runs = []
+            while nchunks:
+                start, count = free[0]
+                take = min(count, nchunks)
+                runs.append((start, take))
+                flat.append(start)
+                flat.append(take)
+                if take == count:
+                    free.popleft()
+                else:
+                    free[0] = (start + take, count - take)
+                nchunks -= take
+            held = sum(count for _s, count in runs)
+            lease.items.append((b"", Entry(held * chunk, b"", len(runs), held, runs[0][0], int(gen[runs[0][0]])),
+                                runs))
+            nruns.append(len(runs))
+        self.leased_chunks += total
+        self.reserved_chunks += total
+        self.counters["reservations"] += 1
+        return [RESERVATION.pack(self._add_lease(lease)), nruns.tobytes(), flat.tobytes()]
+
+    def _bind(self, lease: Lease, keys: list[bytes], sizes) -> list[tuple[bytes, Entry, list[tuple[int, int]]]]:
+        """The items of a used reservation: value i in item i's chunks,
+        trimmed to its size; the chunks no value uses go back to the free
+        ones."""
+        chunk = self.chunk_nbytes
+        self.reserved_chunks -= sum(entry.nchunks for _k, entry, _r in lease.items)
+        items = []
+        for i, (_none, held, runs) in enumerate(lease.items):
+            need = -(-sizes[i] // chunk) if i < len(keys) else 0
+            keep: list[tuple[int, int]] = []
+            spare: list[tuple[int, int]] = []
+            left = need
+            for start, count in runs:
+                take = min(left, count)
+                if take:
+                    keep.append((start, take))
+                if count > take:
+                    spare.append((start + take, count - take))
+                left -= take
+            if spare:
+                self.leased_chunks -= held.nchunks - need
+                self._free_runs(spare)
+            if i < len(keys):
+                flat = array.array("i", [x for run in keep for x in run]).tobytes()
+                first = keep[0][0] if keep else -1
+                items.append((keys[i], Entry(sizes[i], flat, len(keep), need, first,
+                                             held.gen if keep else 0), keep))
+        return items
 
     def sweep(self, now: float) -> None:
         """Reclaim the leases of writers that are gone or older than
@@ -198,7 +288,7 @@ class ChunkIndex:
             "capacity_nbytes": self.num_chunks * self.chunk_nbytes,
             "free_chunks": self.free_chunks, "leased_chunks": self.leased_chunks,
             "used_chunks": self.num_chunks - self.free_chunks - self.leased_chunks,
-            "num_leases": len(self.leases),
+            "num_leases": len(self.leases), "reserved_chunks": self.reserved_chunks,
         }
 
     # -- ops: (flags, key_len, arg, frames) -> (status, reply frames)
@@ -254,8 +344,15 @@ class ChunkIndex:
         sizes.frombytes(frames[used])
         if len(sizes) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        used += 1
         if flags & Flag.TOUCHED:
-            self._touch(0, frames[used + 1:])
+            used += self._touch(0, frames[used:])
+        if flags & Flag.RELEASE:
+            epoch, reservation = RELEASED.unpack(frames[used])
+            held = self.leases.get(reservation)
+            if held is not None and held.reserved and held.pid == arg and epoch == self.epoch:
+                del self.leases[reservation]
+                self._release_lease(held)
         overwrite = bool(flags & Flag.OVERWRITE)
         lease = Lease(pid=arg, overwrite=overwrite)
         chunk = self.chunk_nbytes
@@ -285,26 +382,50 @@ class ChunkIndex:
             run_frames.append(flat)
         self.counters["puts"] += len(keys)
         self._sync_table()   # evictions left tombstones
-        lease_id = 0
-        if lease.items:
-            lease_id = self.next_lease
-            self.next_lease += 1
-            self.leases[lease_id] = lease
+        lease_id = self._add_lease(lease) if lease.items else 0
         return Status.OK, [struct.pack("<q", lease_id), bytes(status), nruns.tobytes(), b"".join(run_frames)]
 
     def op_commit(self, flags, key_len, arg, frames):
-        lease = self.leases.pop(arg, None)
-        if lease is None:
+        lease = self.leases.get(arg)
+        if lease is None or lease.reserved:
             return Status.LEASE_GONE, []
+        del self.leases[arg]
+        self._commit(lease.items, lease.overwrite)
+        return Status.OK, self._reserve(lease.pid, frames[-1]) if flags & Flag.RESERVE else []
+
+    def op_put(self, flags, key_len, arg, frames):
+        keys, used = unpack_keys(key_len, frames)
+        sizes = array.array("q")
+        sizes.frombytes(frames[used])
+        used += 1
+        lease = self.leases.get(arg)
+        if lease is None or not lease.reserved:
+            return Status.LEASE_GONE, []
+        if len(sizes) != len(keys) or len(keys) > len(lease.items) or any(
+                not 0 <= size <= entry.nchunks * self.chunk_nbytes
+                for size, (_k, entry, _r) in zip(sizes, lease.items)):
+            del self.leases[arg]
+            self._release_lease(lease)
+            raise ValueError(f"a put of {len(keys)} keys and {len(sizes)} sizes does not fit its reservation")
+        if flags & Flag.TOUCHED:
+            self._touch(0, frames[used:])
+        del self.leases[arg]
+        self._commit(self._bind(lease, keys, sizes), bool(flags & Flag.OVERWRITE))
+        self.counters["puts"] += len(keys)
+        return Status.OK, self._reserve(lease.pid, frames[-1]) if flags & Flag.RESERVE else []
+
+    def _commit(self, items: list[tuple[bytes, Entry, list[tuple[int, int]]]], overwrite: bool) -> None:
+        """Make leased values visible under their keys (a key another writer
+        committed first keeps that value, unless ``overwrite``)."""
         index = self.index
         table = self.table
-        fps = fingerprints([key for key, _entry, _runs in lease.items]) if table is not None else None
+        fps = fingerprints([key for key, _entry, _runs in items]) if table is not None else None
         committed = []
-        for i, (key, entry, runs) in enumerate(lease.items):
+        for i, (key, entry, runs) in enumerate(items):
             self.leased_chunks -= entry.nchunks
             old = index.get(key)
             if old is not None:
-                if not lease.overwrite:
+                if not overwrite:
                     # Another writer committed the same key first; its value
                     # stands and ours was never visible.
                     if entry.nchunks:
@@ -322,7 +443,6 @@ class ChunkIndex:
             committed.append((key, entry))
         self._publish_locations(committed)
         self._sync_table()
-        return Status.OK, []
 
     def op_abort(self, flags, key_len, arg, frames):
         lease = self.leases.pop(arg, None)
@@ -354,15 +474,16 @@ class ChunkIndex:
         self._touch(arg, frames)
         return Status.OK, []
 
-    def _touch(self, late: int, frames) -> None:
+    def _touch(self, late: int, frames) -> int:
         """Apply a client's uses of keys it read from published locations
         (``TOUCH_COUNTS`` then the keys' frames): the keys still stored
         become the most recently used, and its gets and hits are counted,
-        ``late`` of the hits as misses (reads found torn since)."""
+        ``late`` of the hits as misses (reads found torn since).  How many
+        frames they took."""
         touch_len, gets, hits = TOUCH_COUNTS.unpack(frames[0])
         if not 0 <= hits <= gets:
             raise ValueError(f"touch of {hits} hits in {gets} gets")
-        keys, _ = unpack_keys(touch_len, frames[1:])
+        keys, used = unpack_keys(touch_len, frames[1:])
         index = self.index
         for key in keys:
             if key in index:
@@ -371,6 +492,7 @@ class ChunkIndex:
         self.counters["gets"] += gets
         self.counters["hits"] += hits - late
         self.counters["misses"] += gets - hits + late
+        return 1 + used
 
     def op_keys(self, flags, key_len, arg, frames):
         # Every committed key, least recently used first, as key_len (i64)

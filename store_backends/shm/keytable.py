@@ -153,19 +153,37 @@ def _fingerprints(keys, n: int, held: bool) -> np.ndarray:
         raw[np.arange(width)[None, :] < lens[:, None]] = data
         h = lens.astype(np.uint64)
     words = raw.view(np.uint64)
-    word, tmp = np.empty(n, np.uint64), np.empty(n, np.uint64)
+    constants = _position_constants(words.shape[1])
     h *= _L
-    for j in range(words.shape[1]):
-        np.multiply(words[:, j], _position_constant(j), out=word)
-        h += _fmix(word, tmp)
-    _fmix(h, tmp)
+    if n <= _SMALL_BATCH:
+        # All words of all keys at once: the same number of array passes
+        # whatever the keys' length (for few keys, passes cost more than the
+        # arithmetic).
+        mixed = np.multiply(words, constants)
+        h += _fmix(mixed, np.empty_like(mixed)).sum(axis=1, dtype=np.uint64)
+        _fmix(h, np.empty(n, np.uint64))
+    else:
+        # A word position at a time, over columns that stay in cache.
+        word, tmp = np.empty(n, np.uint64), np.empty(n, np.uint64)
+        for j in range(words.shape[1]):
+            np.multiply(words[:, j], constants[j], out=word)
+            h += _fmix(word, tmp)
+        _fmix(h, tmp)
     h[h < 2] += np.uint64(2)         # 0 and 1 mark empty slots and tombstones
     return h
 
 
-def _position_constant(j: int) -> np.uint64:
-    """The odd multiplier of a key's word ``j``."""
-    return np.uint64((2 * j + 1) * int(_K) % (1 << 64))
+_constants = np.zeros(0, np.uint64)
+#: Batches of up to this many keys are fingerprinted all words at once.
+_SMALL_BATCH = 256
+
+
+def _position_constants(width: int) -> np.ndarray:
+    """The odd multipliers of a key's words 0 .. width-1."""
+    global _constants
+    if len(_constants) < width:
+        _constants = np.array([(2 * j + 1) * int(_K) % (1 << 64) for j in range(max(width, 16))], np.uint64)
+    return _constants[:width]
 
 
 class KeyTableWriter:
@@ -176,6 +194,10 @@ class KeyTableWriter:
         words = np.frombuffer(buf, np.uint64, count=HEADER_WORDS + slots)
         self.header = words[:HEADER_WORDS]
         self.table = words[HEADER_WORDS:]
+        # The same words as Python ints: single slots are read and written
+        # several times faster through these than through numpy scalars.
+        self._head = memoryview(self.header).cast("B").cast("Q")
+        self._slots = memoryview(self.table).cast("B").cast("Q")
         self.slots = slots
         self.mask = slots - 1
         self.table[:] = EMPTY
@@ -199,31 +221,32 @@ class KeyTableWriter:
         keys than the table holds never probes a full table key by key;
         the caller's next rebuild switches it on again once the index is
         small enough."""
-        if not self.active:
+        head = self._head
+        if head[_STATE] != ACTIVE:
             return -1
-        if int(self.header[_LIVE]) + 1 > MAX_LIVE * self.slots:
-            header = self.header
-            header[_SEQ] += np.uint64(1)       # readers that started before see the change
-            header[_STATE] = DISABLED
-            header[_SEQ] += np.uint64(1)
+        if head[_LIVE] + 1 > MAX_LIVE * self.slots:
+            head[_SEQ] += 1       # readers that started before see the change
+            head[_STATE] = DISABLED
+            head[_SEQ] += 1
             return -1
-        table, mask = self.table, self.mask
+        table, mask = self._slots, self.mask
         pos = fp & mask
         for _ in range(self.slots):
             value = table[pos]
-            if value == EMPTY or value == TOMBSTONE:
-                if value == EMPTY:
-                    self.header[_USED] += np.uint64(1)
+            if value <= 1:      # empty or a tombstone
+                if value == 0:
+                    head[_USED] += 1
                 table[pos] = fp
-                self.header[_LIVE] += np.uint64(1)
+                head[_LIVE] += 1
                 return pos
             pos = (pos + 1) & mask
         return -1
 
     def remove(self, slot: int) -> None:
-        if slot >= 0 and self.active:
-            self.table[slot] = TOMBSTONE
-            self.header[_LIVE] -= np.uint64(1)
+        head = self._head
+        if slot >= 0 and head[_STATE] == ACTIVE:
+            self._slots[slot] = 1       # a tombstone
+            head[_LIVE] -= 1
 
     def needs_rebuild(self, num_stored: int) -> bool:
         """Whether to rebuild now, with ``num_stored`` keys stored: too many

@@ -13,7 +13,10 @@ frame 0 is the header ``REQUEST`` = op u8, flags u8, key_len u16, request_id
 u32, epoch u64, arg i64; then, for ops that take keys, the keys as one frame
 (concatenated) and, when key_len is 0 (keys of different lengths), a frame of
 u32 key lengths; ALLOC adds a frame of i64 value sizes (and, flagged ``TOUCHED``, a
-``TOUCH_COUNTS`` frame and the touched keys' frames).  TOUCH is a
+``TOUCH_COUNTS`` frame and the touched keys' frames; flagged ``RELEASE``, a
+reservation to give back).  PUT is laid out as ALLOC, its arg the
+reservation's lease; it and COMMIT, flagged ``RESERVE``, end with the sizes
+to reserve for the next put.  TOUCH is a
 ``TOUCH_COUNTS`` frame, then the touched keys' frames; its arg carries
 late misses, as GET's does.  A reply is frame 0
 ``REPLY`` = status u8, 3 pad bytes, request_id u32, epoch u64, then the op's
@@ -39,6 +42,10 @@ REQUEST = struct.Struct("<BBHIQq")
 REPLY = struct.Struct("<BxxxIQ")
 #: The counts of a TOUCH: key_len of its keys, gets, hits.
 TOUCH_COUNTS = struct.Struct("<qqq")
+#: A reservation's lease (0: none was made).
+RESERVATION = struct.Struct("<q")
+#: A reservation given back (``Flag.RELEASE``): the epoch it was made in, its lease.
+RELEASED = struct.Struct("<Qq")
 
 
 class Op(enum.IntEnum):
@@ -59,6 +66,10 @@ class Op(enum.IntEnum):
     #: Uses of keys a client read without asking (from published
     #: locations): LRU moves and the get counters.
     TOUCH = 13
+    #: Commit values copied into a reservation (chunks a COMMIT or PUT
+    #: flagged ``RESERVE`` handed out for the next put) under their keys:
+    #: a put in one request.
+    PUT = 14
 
 
 #: Ops that do not depend on the segments a client has mapped.
@@ -77,6 +88,14 @@ class Flag(enum.IntFlag):
     #: ALLOC: the frames after the sizes carry uses, as TOUCH does (a
     #: TOUCH_COUNTS frame, then the keys), applied before allocating.
     TOUCHED = 4
+    #: COMMIT and PUT: the last frame holds the value sizes (i64) of the
+    #: writer's next put; reserve chunks for it from free ones, never by
+    #: evicting, and answer ``RESERVATION`` (lease 0: none), runs counts
+    #: and runs as ALLOC does.
+    RESERVE = 8
+    #: ALLOC: the last frame is a reservation the writer will not use
+    #: (``RELEASED``); released before allocating.
+    RELEASE = 16
 
 
 class Status(enum.IntEnum):

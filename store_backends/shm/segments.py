@@ -71,7 +71,8 @@ class Segments:
     """The mapped segments of one server epoch.  Immutable: an operation
     keeps using the snapshot it started with, also if another thread remaps."""
 
-    __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "data", "gen", "keys", "where", "_maps")
+    __slots__ = ("epoch", "server_pid", "chunk", "num_chunks", "reserve_use_s", "data", "gen", "keys", "where",
+                 "_maps")
 
     def __init__(self, info: dict, paths: Paths, populate: bool) -> None:
         try:
@@ -79,6 +80,8 @@ class Segments:
             self.server_pid = int(info["pid"])
             self.chunk = int(info["chunk_nbytes"])
             self.num_chunks = int(info["num_chunks"])
+            # How long a reservation may be used after its answer; 0: none are offered.
+            self.reserve_use_s = max(0.0, float(info.get("reserve_use_s") or 0.0))
         except (KeyError, TypeError, ValueError) as exc:
             raise BadServer(f"the shm server's HELLO is malformed ({exc!r}); stop it "
                             f"(`ucm shm stop {name_arg(paths.name)}`)") from None

@@ -54,6 +54,9 @@ from .transport import Inbox, Outbox, PeerGone
 __all__ = ["ChunkIndex", "Entry", "IndexServer", "Lease", "SWEEP_INTERVAL_S", "main"]
 
 SWEEP_INTERVAL_S = 0.5
+#: What one recv of a client's socket takes at most: a larger buffer costs
+#: an mmap and its page faults on every request, however small.
+_RECV_NBYTES = 64 << 10
 # How long a starting server waits for the PID lock: a client probing
 # liveness holds it shared for an instant; a live server holds it for good.
 _PID_LOCK_WAIT_S = 2.0
@@ -62,11 +65,12 @@ _PID_LOCK_WAIT_S = 2.0
 class _Client:
     """What the server keeps of one connected client."""
 
-    __slots__ = ("inbox", "outbox")
+    __slots__ = ("inbox", "outbox", "waiting")
 
     def __init__(self) -> None:
         self.inbox = Inbox()
         self.outbox = Outbox()
+        self.waiting = False    # for room to send a reply (the selector waits to write, not to read)
 
 
 class IndexServer:
@@ -92,6 +96,7 @@ class IndexServer:
         self.prefault = prefault
         self.epoch = int.from_bytes(secrets.token_bytes(8), "little") or 1
         self.chunks = ChunkIndex(num_chunks, chunk_nbytes, lease_timeout_s)
+        self.chunks.epoch = self.epoch
         self.stopping = False
         self.pid_fd = -1
         self._gen_mm = None
@@ -206,7 +211,7 @@ class IndexServer:
             Op.GET: chunks.op_get, Op.ALLOC: chunks.op_alloc, Op.COMMIT: chunks.op_commit,
             Op.ABORT: chunks.op_abort, Op.DELETE: chunks.op_delete, Op.STATS: self._op_stats,
             Op.CLEAR: chunks.op_clear, Op.SHUTDOWN: self._op_shutdown, Op.KEYS: chunks.op_keys,
-            Op.TOUCH: chunks.op_touch,
+            Op.TOUCH: chunks.op_touch, Op.PUT: chunks.op_put,
         }
         selector = selectors.DefaultSelector()
         selector.register(sock, selectors.EVENT_READ)
@@ -267,14 +272,14 @@ class IndexServer:
             if events & selectors.EVENT_READ:
                 while not client.outbox.pending:
                     try:
-                        data = conn.recv(1 << 20)
+                        data = conn.recv(_RECV_NBYTES)
                     except (BlockingIOError, InterruptedError):
                         break
                     if not data:
                         raise PeerGone("closed")
                     for message in client.inbox.feed(data):
                         client.outbox.put(self._handle(handlers, message))
-                    if len(data) < (1 << 20):
+                    if len(data) < _RECV_NBYTES:
                         break
             done = client.outbox.flush(conn)
         except (OSError, PeerGone):
@@ -282,7 +287,9 @@ class IndexServer:
             conn.close()
             return
         # While a reply waits for room, read nothing more from this client.
-        selector.modify(conn, selectors.EVENT_READ if done else selectors.EVENT_WRITE, client)
+        if client.waiting == done:
+            client.waiting = not done
+            selector.modify(conn, selectors.EVENT_READ if done else selectors.EVENT_WRITE, client)
 
     def _handle(self, handlers, message: list) -> list:
         if not message or message[0].nbytes != REQUEST.size:
@@ -308,6 +315,8 @@ class IndexServer:
             "data_path": self.data_path, "gen_path": self.gen_path,
             "keys_path": self.keys_path, "key_table_slots": self.key_table_slots,
             "where_path": self.where_path,
+            # Reservations (Flag.RESERVE) are offered, to be used within this long of their answer.
+            "reserve_use_s": self.lease_timeout_s / 2,
         }
 
     def _op_hello(self, flags, key_len, arg, frames):

@@ -1,0 +1,243 @@
+"""An shm client's puts: chunks for the values, the copies into them, the commit.
+
+Owns how a put reaches the server.  The plain way is two requests: ALLOC
+hands out chunks for the keys not yet stored, the client copies the values
+straight into them, and COMMIT makes them visible.  Where the server offers
+reservations (``Segments.reserve_use_s``), each put also asks for chunks
+for a next put of values of the same sizes, which the server takes from
+free chunks only, never by evicting.  A next put that fits copies into them
+and makes one request (PUT), which names its keys, commits them and asks
+for the next reservation: back-to-back puts of like batches take one round
+trip each.  A reservation is used by one put at most, only in the process
+and server epoch it was made for, and only within the time the server
+allows (half its lease timeout; after the whole of it the server may
+reclaim the chunks).  One that does not fit is given back with the next
+ALLOC (``Flag.RELEASE``), and at close.
+
+Must not know gets, lookups, the URL or what is owed to the server's
+counters (``client``, ``uses``), nor sockets and reconnects
+(``connection``).
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import threading
+import time
+from typing import Callable, Sequence
+
+from ..base import StoreError, StoreUnavailableError, copy_into_parts
+from .connection import NoAnswer, ServerConnection
+from .copies import copy, value_slices
+from .protocol import RELEASED, RESERVATION, Alloc, Flag, Op, Status, pack_keys
+from .segments import Segments
+from .uses import Uses
+
+# Plain ints for the per-key loops (an enum member compares slower).
+_ALLOC_NEW = int(Alloc.NEW)
+_ALLOC_PRESENT = int(Alloc.PRESENT)
+_ALLOC_FAILED = int(Alloc.FAILED)
+
+
+class Reservation:
+    """Chunks the server holds for this client's next put: item i, of
+    ``capacities[i]`` bytes, is the runs ``runs[starts[i]:starts[i + 1]]``
+    (pairs of first chunk and count)."""
+
+    __slots__ = ("lease_id", "epoch", "pid", "use_by", "capacities", "nruns", "runs", "starts")
+
+    def __init__(self, lease_id: int, seg: Segments, nruns: array.array, runs: array.array) -> None:
+        self.lease_id = lease_id
+        self.epoch = seg.epoch
+        self.pid = os.getpid()
+        self.use_by = time.monotonic() + seg.reserve_use_s
+        self.nruns = nruns
+        self.runs = runs
+        self.starts = [0]
+        self.capacities = []
+        for n in nruns:
+            start = self.starts[-1]
+            end = start + 2 * n
+            self.capacities.append(sum(runs[j + 1] for j in range(start, end, 2)) * seg.chunk)
+            self.starts.append(end)
+
+    @classmethod
+    def from_reply(cls, frames: list[bytes], seg: Segments) -> "Reservation | None":
+        """The reservation a COMMIT or PUT flagged ``RESERVE`` answered
+        (its last three frames); None when the server made none."""
+        if len(frames) < 3:
+            return None
+        (lease_id,) = RESERVATION.unpack(frames[-3])
+        if not lease_id:
+            return None
+        return cls(lease_id, seg, array.array("I", frames[-2]), array.array("i", frames[-1]))
+
+    def fits(self, sizes: array.array, seg: Segments) -> bool:
+        """Whether a put of values of ``sizes`` may use it now."""
+        return (self.epoch == seg.epoch and time.monotonic() < self.use_by and len(sizes) <= len(self.capacities)
+                and all(0 <= size <= cap for size, cap in zip(sizes, self.capacities)))
+
+
+class Writer:
+    """The puts of one ``ShmStore``.  Thread-safe: a reservation is taken by
+    one put at a time."""
+
+    def __init__(self, conn: ServerConnection, uses: Uses, overwrite: bool) -> None:
+        self._conn = conn
+        self._uses = uses
+        self.overwrite = overwrite
+        self._lock = threading.Lock()
+        self._held: Reservation | None = None
+        #: Puts made in one request (into a reservation), for ``stats``.
+        self.reserved_puts = 0
+
+    def _take(self) -> Reservation | None:
+        with self._lock:
+            held, self._held = self._held, None
+        # After a fork the parent's reservation is the parent's.
+        return held if held is not None and held.pid == os.getpid() else None
+
+    def _hold(self, out: list[bytes], seg: Segments, deadline: float) -> None:
+        new = Reservation.from_reply(out, seg)
+        if new is None:
+            return
+        with self._lock:
+            extra, self._held = self._held, new
+        if extra is not None and extra.pid == os.getpid():
+            self._give_back(extra, deadline)    # another thread's put got one meanwhile
+
+    def _give_back(self, held: Reservation, deadline: float) -> None:
+        try:
+            self._conn.call(Op.ABORT, arg=held.lease_id, epoch=held.epoch, deadline=deadline)
+        except (NoAnswer, StoreError):
+            pass  # the server reclaims it after its lease timeout, or once this process is gone
+
+    def close(self, deadline: float) -> None:
+        """Give the reservation back (at close)."""
+        held = self._take()
+        if held is not None:
+            self._give_back(held, deadline)
+
+    def write(self, keys: Sequence[bytes], srcs: list[list], before_value: Callable[[int], object] | None = None
+              ) -> list[bool]:
+        """Put the values of ``srcs`` (each a list of parts, in order) under
+        ``keys``, copying them straight into the segment (``before_value(i)``
+        just before value i's copy).  Which values are stored."""
+        if not keys:
+            return []
+        sizes = array.array("q", [sum(p.nbytes for p in value_parts) for value_parts in srcs])
+        held = self._take()
+        seg = self._conn.mapped()
+        if held is not None and seg is not None and held.fits(sizes, seg):
+            return self._put_reserved(held, seg, keys, srcs, sizes, before_value)
+        return self._put_allocated(keys, srcs, sizes, before_value, held)
+
+    def _uses_frames(self) -> tuple[int, list[bytes]]:
+        """This client's gets since its last request, to ride along with a
+        put, so that the chunks it evicts are the least recently used."""
+        uses = self._uses.take(with_late=False)
+        if uses is None:
+            return 0, []
+        return int(Flag.TOUCHED), Uses.frames(*uses[:3])
+
+    def _reserve_frames(self, seg: Segments, sizes: array.array) -> tuple[int, list[bytes]]:
+        if not seg.reserve_use_s:
+            return 0, []
+        return int(Flag.RESERVE), [sizes.tobytes()]
+
+    def _put_allocated(self, keys, srcs, sizes, before_value, held: Reservation | None) -> list[bool]:
+        key_len, key_frames = pack_keys(keys)
+        flags, touch = self._uses_frames()
+        if self.overwrite:
+            flags |= Flag.OVERWRITE
+        frames = [*key_frames, sizes.tobytes(), *touch]
+        if held is not None:
+            # Given back here, not by a request of its own; the server
+            # checks the epoch, so a retry under a newer server frees nothing.
+            flags |= Flag.RELEASE
+            frames.append(RELEASED.pack(held.epoch, held.lease_id))
+        # One deadline for the waits of both requests; the copy between them
+        # is not waiting on the server, so it extends the deadline.
+        deadline = self._conn.deadline()
+        try:
+            seg, _status, out = self._conn.request(Op.ALLOC, frames, key_len=key_len, flags=flags,
+                                                   arg=os.getpid(), deadline=deadline)
+        except StoreUnavailableError:
+            # put never raises into the hot path for a medium that is gone;
+            # the next call reconnects (or restarts the server).
+            return [False] * len(keys)
+        lease_id = int.from_bytes(out[0], "little", signed=True)
+        status = out[1]
+        nruns = array.array("I", out[2])
+        runs = array.array("i", out[3])
+        result = [s == _ALLOC_PRESENT for s in status]
+        if not lease_id:
+            return result
+        starts = [0]
+        for n in nruns:
+            starts.append(starts[-1] + 2 * n)
+        todo = [(i, starts[k], starts[k + 1]) for k, i in enumerate(i for i, st in enumerate(status)
+                                                                      if st == _ALLOC_NEW)]
+        deadline = self._copy(seg, lease_id, todo, runs, srcs, sizes, before_value, deadline)
+        flags, reserve = self._reserve_frames(seg, sizes)
+        try:
+            _seg, commit_status, out = self._conn.request(Op.COMMIT, reserve, flags=flags, arg=lease_id,
+                                                          deadline=deadline, epoch=seg.epoch)
+        except StoreUnavailableError:
+            return result
+        if commit_status != Status.OK:
+            return result
+        self._hold(out, seg, deadline)
+        return [st != _ALLOC_FAILED for st in status]
+
+    def _put_reserved(self, held: Reservation, seg: Segments, keys, srcs, sizes, before_value) -> list[bool]:
+        deadline = self._conn.deadline()
+        todo = [(i, held.starts[i], held.starts[i + 1]) for i in range(len(keys))]
+        deadline = self._copy(seg, held.lease_id, todo, held.runs, srcs, sizes, before_value, deadline)
+        key_len, key_frames = pack_keys(keys)
+        flags, touch = self._uses_frames()
+        reserve_flag, reserve = self._reserve_frames(seg, sizes)
+        flags |= reserve_flag
+        if self.overwrite:
+            flags |= Flag.OVERWRITE
+        try:
+            _seg, status, out = self._conn.request(Op.PUT, [*key_frames, sizes.tobytes(), *touch, *reserve],
+                                                   key_len=key_len, flags=flags, arg=held.lease_id,
+                                                   deadline=deadline, epoch=held.epoch)
+        except StoreUnavailableError:
+            return [False] * len(keys)
+        if status != Status.OK:
+            return [False] * len(keys)
+        self.reserved_puts += 1
+        self._hold(out, seg, deadline)
+        return [True] * len(keys)
+
+    def _copy(self, seg: Segments, lease_id: int, todo: list[tuple[int, int, int]], runs: array.array,
+              srcs, sizes, before_value, deadline: float) -> float:
+        """Copy value i into ``runs[start:end]`` for each (i, start, end) of
+        ``todo``; the deadline, moved on by the time the copies took.  A
+        copy that raises gives the chunks back (ABORT) and re-raises."""
+        data = seg.data
+        chunk = seg.chunk
+        copy_started = time.monotonic()
+        try:
+            for i, start, end in todo:
+                src = srcs[i]
+                if before_value is not None:
+                    before_value(i)
+                if end - start == 2:
+                    off = runs[start] * chunk
+                    for part in src:
+                        copy(data[off:off + part.nbytes], part)
+                        off += part.nbytes
+                else:
+                    copy_into_parts(value_slices(data, chunk, runs, start, end, sizes[i]), src, copy)
+        except BaseException:
+            try:
+                self._conn.call(Op.ABORT, arg=lease_id, epoch=seg.epoch,
+                                deadline=deadline + time.monotonic() - copy_started)
+            except (NoAnswer, StoreError):
+                pass  # the sweep reclaims the lease once this process is gone
+            raise
+        return deadline + time.monotonic() - copy_started
