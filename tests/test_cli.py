@@ -540,13 +540,17 @@ def test_config_reference_prints_the_rendered_reference():
 # -- shm ------------------------------------------------------------------------------------------
 
 def test_shm_status_and_stop(unique_name):
-    with open_store(f"shm://{unique_name}?capacity=8MiB") as store:
-        keys, values = blocks(NS_A, 2, 1000, seed=10)
-        store.put(keys, values)
+    store = open_store(f"shm://{unique_name}?capacity=8MiB")
+    keys, values = blocks(NS_A, 2, 1000, seed=10)
+    store.put(keys, values)
     try:
+        # The open store holds chunks for its next put.
+        assert "open write leases 1 (2 chunks, 2 reserved for next puts)" in ucm("shm", "status", unique_name).stdout
+        store.close()
         status = ucm("shm", "status", unique_name, "--json")
         assert status.returncode == 0
         assert json.loads(status.stdout)["num_blocks"] == 2
+        assert json.loads(status.stdout)["reserved_chunks"] == 0
         if keytable.supported():
             assert json.loads(status.stdout)["key_table_live"] == 2
             text = ucm("shm", "status", unique_name).stdout
@@ -559,6 +563,7 @@ def test_shm_status_and_stop(unique_name):
         assert not server_running(unique_name)
         assert ucm("shm", "status", unique_name).returncode == 2
     finally:
+        store.close()
         stop_server(unique_name)
 
 

@@ -57,6 +57,7 @@ class ServerStatus:
     leased_chunks: int | None = None
     used_chunks: int | None = None
     num_leases: int | None = None
+    reserved_chunks: int | None = None       # of the leased ones: reserved for writers' next puts
     idle_timeout_s: float | None = None
     lease_timeout_s: float | None = None
     data_path: str | None = None

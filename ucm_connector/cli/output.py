@@ -231,7 +231,8 @@ def print_shm_status_text(name: str, status: ServerStatus) -> None:
     print(f"  gets {status.gets}, hits {status.hits}, misses {status.misses}, "
           f"puts {status.puts}, put failures {status.put_failures}, "
           f"evictions {status.evictions}")
-    print(f"  open write leases {status.num_leases} ({status.leased_chunks} chunks), "
+    reserved = f", {status.reserved_chunks} reserved for next puts" if status.reserved_chunks else ""
+    print(f"  open write leases {status.num_leases} ({status.leased_chunks} chunks{reserved}), "
           f"leases reclaimed {status.leases_reclaimed}, idle timeout "
           f"{'never' if status.idle_timeout_s is None else str(status.idle_timeout_s) + ' s'}")
     if status.key_table_slots:
