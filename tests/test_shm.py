@@ -629,7 +629,7 @@ def test_op_codes_are_an_int_enum_with_the_numbers_on_the_wire():
     assert issubclass(Op, enum.IntEnum)
     assert {op.name: op.value for op in Op} == {
         "HELLO": 1, "CONTAINS": 2, "PREFIX": 3, "GET": 4, "ALLOC": 5, "COMMIT": 6, "ABORT": 7, "DELETE": 8,
-        "STATS": 9, "CLEAR": 10, "SHUTDOWN": 11, "KEYS": 12, "TOUCH": 13, "PUT": 14}
+        "STATS": 9, "CLEAR": 10, "SHUTDOWN": 11, "KEYS": 12, "TOUCH": 13, "DECLARE": 14}
     assert {flag.name: flag.value for flag in Flag} == {"OVERWRITE": 1, "NO_TOUCH": 2, "TOUCHED": 4, "RESERVE": 8,
                                                      "RELEASE": 16}
     assert issubclass(Status, enum.IntEnum) and issubclass(Alloc, enum.IntEnum)
@@ -1228,19 +1228,62 @@ def test_the_reservation_of_a_killed_writer_is_reclaimed(shm):
         assert store.get([b"w"]) == [b"v" * 40_000]
 
 
-def test_a_put_that_does_not_fit_its_reservation_is_refused_and_frees_it(shm):
-    from store_backends.shm.index import ChunkIndex
-    from store_backends.shm.protocol import RESERVATION, pack_keys
+def test_a_put_that_does_not_fit_its_reservation_is_refused_and_frees_it():
+    """DECLARE is not answered: one that does not fit leaves the reservation
+    as it was, and the COMMIT that follows finds nothing to commit and
+    frees it."""
     import array
     import numpy as np
+    from store_backends.shm.index import ChunkIndex
+    from store_backends.shm.protocol import RESERVATION, pack_keys
     index = ChunkIndex(64, 4096, lease_timeout_s=60)
     index.gen = np.zeros(64, np.uint64)
-    _status, out = index.op_commit(Flag.RESERVE, 0, 0, [array.array("q", [5000]).tobytes()])
-    assert out == []                    # no lease 0 to commit
+    assert index.op_commit(Flag.RESERVE, 0, 0, [array.array("q", [5000]).tobytes()]) == (Status.LEASE_GONE, [])
     (lease_id,) = RESERVATION.unpack(index._reserve(os.getpid(), array.array("q", [5000]).tobytes())[0])
     assert index.reserved_chunks == 2 and index.free_chunks == 62
     key_len, frames = pack_keys([b"k"])
     with pytest.raises(ValueError, match="does not fit"):
-        index.op_put(0, key_len, lease_id, [*frames, array.array("q", [9000]).tobytes()])
+        index.op_declare(0, key_len, lease_id, [*frames, array.array("q", [9000]).tobytes()])
+    assert index.reserved_chunks == index.leased_chunks == 2
+    assert index.op_commit(0, 0, lease_id, []) == (Status.LEASE_GONE, [])
     assert index.reserved_chunks == index.leased_chunks == 0 and index.free_chunks == 64
-    assert index.op_put(0, key_len, lease_id, [*frames, array.array("q", [10]).tobytes()])[0] == Status.LEASE_GONE
+    assert not index.index
+    # One that fits: the chunk the value does not need is free at once.
+    (lease_id,) = RESERVATION.unpack(index._reserve(os.getpid(), array.array("q", [5000]).tobytes())[0])
+    assert index.op_declare(0, key_len, lease_id, [*frames, array.array("q", [10]).tobytes()]) is None
+    assert index.reserved_chunks == 0 and index.leased_chunks == 1 and index.free_chunks == 63
+    assert index.op_commit(0, 0, lease_id, [])[0] == Status.OK
+    assert list(index.index) == [b"k"] and index.index[b"k"].size == 10 and index.leased_chunks == 0
+
+
+def test_values_named_before_their_copy_stay_invisible_until_committed(shm):
+    """A put into a reservation names its keys before copying (DECLARE) and
+    its location records are written then: until its COMMIT no other
+    client finds those keys, also not from the published locations, and a
+    put that fails mid-copy leaves nothing behind."""
+    url = shm.url(capacity="4MiB", chunk="4KiB")
+    with open_store(url) as writer, open_store(url) as reader:
+        # Reserves chunks for a next put like it.
+        assert writer.put([b"first0", b"first1"], [value_for(b"first", 8192)] * 2) == [True, True]
+        keys = [b"n0", b"n1"]
+        seen = []
+
+        def look(i):
+            if i == 1:      # n0 is copied, n1 not yet
+                seen.append((reader.contains(keys), reader.get(keys), reader.stats().num_blocks))
+
+        assert writer.put_parts(keys, [[value_for(k, 8192)] for k in keys], before_value=look) == [True, True]
+        assert writer.stats().extra["reserved_puts"] == 1
+        assert seen == [([False, False], [None, None], 2)]
+        local = reader.stats().extra["local_gets"]
+        assert reader.get(keys) == [value_for(k, 8192) for k in keys]
+        assert reader.stats().extra["local_gets"] == local + 2      # from the records the commit completed
+
+        def fail(i):
+            if i == 1:
+                raise RuntimeError("copy failed")
+
+        with pytest.raises(RuntimeError, match="copy failed"):
+            writer.put_parts([b"f0", b"f1"], [[value_for(k, 8192)] for k in (b"f0", b"f1")], before_value=fail)
+        assert reader.contains([b"f0", b"f1"]) == [False, False]
+        assert writer.stats().extra["leased_chunks"] == 0

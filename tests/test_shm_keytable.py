@@ -280,3 +280,32 @@ def test_a_record_being_written_or_of_another_key_is_refused():
     assert proven([b"alpha"], [2])[0] == [False]
     with pytest.raises(ValueError, match="does not match"):
         locations.LocationReader(buf, 16, 4)
+
+
+def test_a_record_prepared_before_its_copy_is_refused_until_completed():
+    """A put that names its keys before copying has its records written
+    then, left odd: even a reader holding a stale ``where`` that points at
+    the chunk (a value of the same key evicted from it) is refused until
+    the commit completes the record."""
+    buf = bytearray(locations.segment_nbytes(16, 8))
+    writer = locations.LocationWriter(buf, 16, 8)
+    reader = locations.LocationReader(buf, 16, 8)
+    gen = np.zeros(8, np.uint64)
+    writer.publish(np.array([2]), np.array([3]), [b"alpha"], np.array([100]), np.array([0], np.uint64))
+
+    def proven():
+        return reader.locate([b"alpha"], np.array([2]), gen, 64)[3].tolist()
+
+    assert proven() == [True]
+    gen[3] += np.uint64(1)                  # evicted: chunk 3 freed, then reserved for the same key again
+    writer.prepare(np.array([3]), [b"alpha"], np.array([200]), gen[[3]].copy())
+    assert proven() == [False]              # where[2] still says chunk 3; the record is not whole
+    writer.prepare(np.array([3, 4]), [b"alpha", b"x" * 65], np.array([200, 10]), np.array([1, 0], np.uint64))
+    assert proven() == [False]              # prepared twice (a put that failed, then another): still odd
+    writer.complete(np.array([2]), np.array([3]))
+    *found, ok = reader.locate([b"alpha"], np.array([2]), gen, 64)
+    assert ok.tolist() == [True] and [int(x[0]) for x in found] == [3, 200, 1]
+    # A record prepared and never completed, then published by a plain commit, is whole.
+    writer.prepare(np.array([5]), [b"beta"], np.array([50]), np.array([0], np.uint64))
+    writer.publish(np.array([7]), np.array([5]), [b"beta"], np.array([60]), np.array([0], np.uint64))
+    assert reader.locate([b"beta"], np.array([7]), gen, 64)[3].tolist() == [True]

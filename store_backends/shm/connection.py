@@ -25,7 +25,7 @@ from typing import Sequence
 from ..base import OpenMode, StoreError, StoreOpenError, StoreUnavailableError
 from .launch import ServerSettings, start_server
 from .paths import Paths, ShmServerNotRunning, UnsafeRuntimeDir, name_arg
-from .protocol import PROTOCOL_VERSION, REPLY, REQUEST, Op, Status
+from .protocol import NO_REPLY_OPS, PROTOCOL_VERSION, REPLY, REQUEST, Op, Status
 from .segments import BadServer, Segments
 from .transport import OLDER_SERVER, PeerGone, receive, send
 
@@ -136,7 +136,10 @@ class ServerConnection:
         """One request and its answer, waiting until ``deadline`` (monotonic
         seconds) at most: the deadline of the whole operation, so that its
         reconnect, its server start and its requests together stay within
-        ``timeout``.  Raises ``NoAnswer`` when none comes."""
+        ``timeout``.  Raises ``NoAnswer`` when none comes.  For an op of
+        ``NO_REPLY_OPS``, returns once it is sent, with status OK and no
+        frames: the next request on this thread's socket is answered after
+        the server read it."""
         rid = next(self._rids) & 0xFFFFFFFF
         message = [REQUEST.pack(op, flags, key_len, rid, epoch, arg), *frames]
         running = self.paths.server_running
@@ -153,6 +156,8 @@ class ServerConnection:
         try:
             reply = None
             if send(sock, message, deadline, running, _POLL_SLICE_S):
+                if op in NO_REPLY_OPS:
+                    return Status.OK, epoch, []
                 reply = receive(sock, deadline, running, _POLL_SLICE_S)
         except PeerGone as exc:
             self._drop_socket()

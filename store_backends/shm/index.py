@@ -27,7 +27,7 @@ import numpy as np
 
 from ..process import pid_alive
 from .keytable import KeyTableWriter, fingerprints
-from .locations import LocationWriter
+from .locations import KEY_MAX, LocationWriter
 from .protocol import RELEASED, RESERVATION, TOUCH_COUNTS, Alloc, Flag, Status, pack_keys, unpack_keys
 
 #: One reservation holds at most 1/RESERVE_ONE of the chunks, all of them
@@ -35,6 +35,7 @@ from .protocol import RELEASED, RESERVATION, TOUCH_COUNTS, Alloc, Flag, Status, 
 RESERVE_ONE = 16
 RESERVE_ALL = 8
 _NO_RESERVATION = [RESERVATION.pack(0), b"", b""]
+_RUN = struct.Struct("<ii")      # a run of chunks: first, count
 
 
 class Entry:
@@ -60,13 +61,15 @@ class Lease:
     its ALLOC, or (``reserved``) for the values of its next put, keys not
     known yet."""
 
-    __slots__ = ("pid", "created", "overwrite", "items", "reserved")
+    __slots__ = ("pid", "created", "overwrite", "items", "reserved", "fps", "prepared")
 
     def __init__(self, pid: int, overwrite: bool, reserved: bool = False) -> None:
         self.pid = pid
         self.created = time.monotonic()
         self.overwrite = overwrite
         self.reserved = reserved
+        self.fps: np.ndarray | None = None      # the keys' fingerprints, once known
+        self.prepared = False                   # the values' location records are written, not yet whole
         self.items: list[tuple[bytes, Entry, list[tuple[int, int]]]] = []
 
 
@@ -146,6 +149,25 @@ class ChunkIndex:
                       np.fromiter((e.size for _k, e in items), np.int64, n),
                       np.fromiter((e.gen for _k, e in items), np.uint64, n))
 
+    def _prepare_locations(self, items: list[tuple[bytes, Entry, list]]) -> None:
+        """Write the records of values being copied into their chunks, left
+        unusable until ``_commit`` completes them."""
+        items = [(key, e) for key, e, _r in items if e.nruns == 1]
+        if self.where is None or not items:
+            return
+        n = len(items)
+        self.where.prepare(np.fromiter((e.first for _k, e in items), np.int64, n), [key for key, _e in items],
+                           np.fromiter((e.size for _k, e in items), np.int64, n),
+                           np.fromiter((e.gen for _k, e in items), np.uint64, n))
+
+    def _complete_locations(self, items: list[tuple[bytes, Entry]]) -> None:
+        """``_publish_locations`` for values whose records were prepared."""
+        items = [e for key, e in items if e.nruns == 1 and e.slot >= 0 and len(key) <= KEY_MAX]
+        if self.where is not None and items:
+            n = len(items)
+            self.where.complete(np.fromiter((e.slot for e in items), np.int64, n),
+                                np.fromiter((e.first for e in items), np.int64, n))
+
     def _sync_table(self) -> None:
         """Rebuild the key table when tombstones fill it, or when it was
         switched off and the index is small enough again."""
@@ -215,32 +237,37 @@ class ChunkIndex:
             self.counters["reservations_refused"] += 1
             return _NO_RESERVATION
         lease = Lease(pid, overwrite=False, reserved=True)
-        nruns = array.array("I")
-        flat = array.array("i")
-        free = collections.deque(self._allocate(total))     # free chunks cover them: nothing is evicted
-        gen = self.gen
-        for nchunks in need:
-            # Each value's chunks, carved in order from what was taken.
-            runs = []
-            while nchunks:
-                start, count = free[0]
-                take = min(count, nchunks)
-                runs.append((start, take))
-                flat.append(start)
-                flat.append(take)
-                if take == count:
-                    free.popleft()
-                else:
-                    free[0] = (start + take, count - take)
-                nchunks -= take
-            held = sum(count for _s, count in runs)
-            lease.items.append((b"", Entry(held * chunk, b"", len(runs), held, runs[0][0], int(gen[runs[0][0]])),
-                                runs))
-            nruns.append(len(runs))
+        taken = self._allocate(total)       # free chunks cover them: nothing is evicted
+        if len(taken) == 1:
+            # The common case, one run: each value's chunks follow the last's.
+            start = taken[0][0]
+            for nchunks in need:
+                lease.items.append((b"", Entry(nchunks * chunk, _RUN.pack(start, nchunks), 1, nchunks, start, 0),
+                                    [(start, nchunks)]))
+                start += nchunks
+        else:
+            free = collections.deque(taken)
+            for nchunks in need:
+                # Each value's chunks, carved in order from what was taken.
+                runs = []
+                while nchunks:
+                    start, count = free[0]
+                    take = min(count, nchunks)
+                    runs.append((start, take))
+                    if take == count:
+                        free.popleft()
+                    else:
+                        free[0] = (start + take, count - take)
+                    nchunks -= take
+                held = sum(count for _s, count in runs)
+                flat = array.array("i", [x for run in runs for x in run]).tobytes()
+                lease.items.append((b"", Entry(held * chunk, flat, len(runs), held, runs[0][0], 0), runs))
         self.leased_chunks += total
         self.reserved_chunks += total
         self.counters["reservations"] += 1
-        return [RESERVATION.pack(self._add_lease(lease)), nruns.tobytes(), flat.tobytes()]
+        nruns = array.array("I", [entry.nruns for _k, entry, _r in lease.items])
+        return [RESERVATION.pack(self._add_lease(lease)), nruns.tobytes(),
+                b"".join(entry.runs for _k, entry, _r in lease.items)]
 
     def _bind(self, lease: Lease, keys: list[bytes], sizes) -> list[tuple[bytes, Entry, list[tuple[int, int]]]]:
         """The items of a used reservation: value i in item i's chunks,
@@ -251,6 +278,10 @@ class ChunkIndex:
         items = []
         for i, (_none, held, runs) in enumerate(lease.items):
             need = -(-sizes[i] // chunk) if i < len(keys) else 0
+            if need == held.nchunks:
+                held.size = sizes[i]        # fills the chunks it reserved: they stand as they are
+                items.append((keys[i], held, runs))
+                continue
             keep: list[tuple[int, int]] = []
             spare: list[tuple[int, int]] = []
             left = need
@@ -261,14 +292,18 @@ class ChunkIndex:
                 if count > take:
                     spare.append((start + take, count - take))
                 left -= take
-            if spare:
-                self.leased_chunks -= held.nchunks - need
-                self._free_runs(spare)
+            self.leased_chunks -= held.nchunks - need
+            self._free_runs(spare)
             if i < len(keys):
                 flat = array.array("i", [x for run in keep for x in run]).tobytes()
-                first = keep[0][0] if keep else -1
-                items.append((keys[i], Entry(sizes[i], flat, len(keep), need, first,
-                                             held.gen if keep else 0), keep))
+                items.append((keys[i], Entry(sizes[i], flat, len(keep), need, keep[0][0] if keep else -1, 0), keep))
+        # Generations as of now: the chunks' own, unchanged since they were reserved.
+        firsts = [entry.first for _k, entry, _r in items if entry.nchunks]
+        if firsts:
+            gens = iter(self.gen[firsts].tolist())
+            for _k, entry, _r in items:
+                if entry.nchunks:
+                    entry.gen = next(gens)
         return items
 
     def sweep(self, now: float) -> None:
@@ -386,40 +421,57 @@ class ChunkIndex:
         return Status.OK, [struct.pack("<q", lease_id), bytes(status), nruns.tobytes(), b"".join(run_frames)]
 
     def op_commit(self, flags, key_len, arg, frames):
-        lease = self.leases.get(arg)
-        if lease is None or lease.reserved:
+        lease = self.leases.pop(arg, None)
+        if lease is None:
             return Status.LEASE_GONE, []
-        del self.leases[arg]
-        self._commit(lease.items, lease.overwrite)
+        if lease.reserved:
+            # A reservation its writer did not name keys for (its DECLARE
+            # was refused): nothing to commit, and it is of no use now.
+            self._release_lease(lease)
+            return Status.LEASE_GONE, []
+        self._commit(lease.items, lease.overwrite, lease.fps, lease.prepared)
         return Status.OK, self._reserve(lease.pid, frames[-1]) if flags & Flag.RESERVE else []
 
-    def op_put(self, flags, key_len, arg, frames):
+    def op_declare(self, flags, key_len, arg, frames):
+        """Name the keys of the values a writer is about to copy into
+        reservation ``arg``: from now on it is a lease of those keys, as
+        an ALLOC hands out, and the writer's COMMIT commits it.  Sent
+        ahead of the copies and not answered, so that this work overlaps
+        them; a DECLARE that does not fit its reservation leaves it
+        reserved, and the COMMIT finds nothing to commit."""
         keys, used = unpack_keys(key_len, frames)
         sizes = array.array("q")
         sizes.frombytes(frames[used])
         used += 1
         lease = self.leases.get(arg)
         if lease is None or not lease.reserved:
-            return Status.LEASE_GONE, []
+            return None
         if len(sizes) != len(keys) or len(keys) > len(lease.items) or any(
                 not 0 <= size <= entry.nchunks * self.chunk_nbytes
                 for size, (_k, entry, _r) in zip(sizes, lease.items)):
-            del self.leases[arg]
-            self._release_lease(lease)
             raise ValueError(f"a put of {len(keys)} keys and {len(sizes)} sizes does not fit its reservation")
         if flags & Flag.TOUCHED:
             self._touch(0, frames[used:])
-        del self.leases[arg]
-        self._commit(self._bind(lease, keys, sizes), bool(flags & Flag.OVERWRITE))
+        lease.items = self._bind(lease, keys, sizes)
+        lease.reserved = False
+        lease.overwrite = bool(flags & Flag.OVERWRITE)
+        if self.table is not None:
+            lease.fps = fingerprints(keys)
+        self._prepare_locations(lease.items)
+        lease.prepared = True
         self.counters["puts"] += len(keys)
-        return Status.OK, self._reserve(lease.pid, frames[-1]) if flags & Flag.RESERVE else []
+        return None
 
-    def _commit(self, items: list[tuple[bytes, Entry, list[tuple[int, int]]]], overwrite: bool) -> None:
+    def _commit(self, items: list[tuple[bytes, Entry, list[tuple[int, int]]]], overwrite: bool,
+                fps: np.ndarray | None = None, prepared: bool = False) -> None:
         """Make leased values visible under their keys (a key another writer
-        committed first keeps that value, unless ``overwrite``)."""
+        committed first keeps that value, unless ``overwrite``); ``fps``:
+        the keys' fingerprints, where already known; ``prepared``: whether
+        their location records are already written."""
         index = self.index
         table = self.table
-        fps = fingerprints([key for key, _entry, _runs in items]) if table is not None else None
+        if table is not None and fps is None:
+            fps = fingerprints([key for key, _entry, _runs in items])
         committed = []
         for i, (key, entry, runs) in enumerate(items):
             self.leased_chunks -= entry.nchunks
@@ -441,7 +493,10 @@ class ChunkIndex:
             index[key] = entry
             self.nbytes += entry.size
             committed.append((key, entry))
-        self._publish_locations(committed)
+        if prepared:
+            self._complete_locations(committed)
+        else:
+            self._publish_locations(committed)
         self._sync_table()
 
     def op_abort(self, flags, key_len, arg, frames):

@@ -9,6 +9,9 @@ chunks under a key of at most ``KEY_MAX`` bytes:
 * a record per chunk, written when a value whose first chunk it is gets
   committed: the key, the value's size and the chunk's generation at that
   time, bracketed by a version made odd first and even after (a seqlock).
+  A put that names its keys before its values are copied (``prepare``)
+  has its records written then and left odd, so unusable, until its commit
+  makes them even (``complete``).
 
 A client that finds a key in the key table reads ``where``, then the
 chunk's generation, then the record, and uses the location only when the
@@ -103,16 +106,40 @@ class LocationWriter:
         idx = np.flatnonzero(keep)
         if not idx.size:
             return
+        firsts = self._write(firsts, keys, sizes, gens, idx)
+        self.records["ver"][firsts] += np.uint64(1)
+        self.where[slots[idx]] = firsts
+
+    def prepare(self, firsts: np.ndarray, keys, sizes: np.ndarray, gens: np.ndarray) -> None:
+        """Write the records of values about to be copied in (as ``publish``
+        says, with no slots yet), and leave them odd: no reader uses them
+        until ``complete``.  A record prepared and never completed stays
+        unusable until its chunk's next value is published."""
+        lengths = np.fromiter(map(len, keys), np.int64, len(keys))
+        idx = np.flatnonzero((firsts >= 0) & (lengths <= KEY_MAX))
+        if idx.size:
+            self._write(firsts, keys, sizes, gens, idx)
+
+    def complete(self, slots: np.ndarray, firsts: np.ndarray) -> None:
+        """Make the prepared records of ``firsts`` whole and point key-table
+        ``slots`` at them (each first chunk once; as ``prepare`` left out,
+        keys longer than ``KEY_MAX`` must be left out here)."""
+        keep = (slots >= 0) & (firsts >= 0)
+        firsts = firsts[keep]
+        self.records["ver"][firsts] += np.uint64(1)
+        self.where[slots[keep]] = firsts
+
+    def _write(self, firsts: np.ndarray, keys, sizes: np.ndarray, gens: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Make records ``firsts[idx]`` odd and write them; those chunks."""
         matrix = key_matrix(keys if idx.size == len(keys) else [keys[i] for i in idx])
         firsts = firsts[idx]
         records = self.records
-        records["ver"][firsts] += np.uint64(1)          # odd: a reader of this record stays away
+        records["ver"][firsts] |= np.uint64(1)          # odd: a reader of this record stays away
         records["gen"][firsts] = gens[idx]
         records["size"][firsts] = sizes[idx]
         records["key_len"][firsts] = matrix[1]
         records["key"][firsts] = matrix[0]
-        records["ver"][firsts] += np.uint64(1)
-        self.where[slots[idx]] = firsts
+        return firsts
 
     def forget(self, slot: int) -> None:
         """The key in ``slot`` is gone (its record no longer matches anyway)."""

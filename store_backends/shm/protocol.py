@@ -14,9 +14,9 @@ u32, epoch u64, arg i64; then, for ops that take keys, the keys as one frame
 (concatenated) and, when key_len is 0 (keys of different lengths), a frame of
 u32 key lengths; ALLOC adds a frame of i64 value sizes (and, flagged ``TOUCHED``, a
 ``TOUCH_COUNTS`` frame and the touched keys' frames; flagged ``RELEASE``, a
-reservation to give back).  PUT is laid out as ALLOC, its arg the
-reservation's lease; it and COMMIT, flagged ``RESERVE``, end with the sizes
-to reserve for the next put.  TOUCH is a
+reservation to give back).  DECLARE is laid out as ALLOC, its arg the
+reservation's lease, and gets no reply; COMMIT flagged ``RESERVE`` ends
+with the sizes to reserve for the next put.  TOUCH is a
 ``TOUCH_COUNTS`` frame, then the touched keys' frames; its arg carries
 late misses, as GET's does.  A reply is frame 0
 ``REPLY`` = status u8, 3 pad bytes, request_id u32, epoch u64, then the op's
@@ -66,12 +66,16 @@ class Op(enum.IntEnum):
     #: Uses of keys a client read without asking (from published
     #: locations): LRU moves and the get counters.
     TOUCH = 13
-    #: Commit values copied into a reservation (chunks a COMMIT or PUT
-    #: flagged ``RESERVE`` handed out for the next put) under their keys:
-    #: a put in one request.
-    PUT = 14
+    #: Name the keys of the values being copied into a reservation (chunks
+    #: a COMMIT flagged ``RESERVE`` handed out for the next put), which
+    #: makes it a lease of those keys for COMMIT.  Not answered: sent
+    #: ahead of the copies, so that a put makes one round trip.
+    DECLARE = 14
 
 
+#: Ops that get no reply (not even an error or ``Status.STALE``: what
+#: follows them on the socket is answered instead).
+NO_REPLY_OPS = frozenset({Op.DECLARE})
 #: Ops that do not depend on the segments a client has mapped.
 EPOCH_FREE_OPS = frozenset({Op.HELLO, Op.STATS, Op.CLEAR, Op.SHUTDOWN, Op.DELETE, Op.CONTAINS, Op.PREFIX,
                             Op.KEYS, Op.TOUCH})
@@ -88,10 +92,10 @@ class Flag(enum.IntFlag):
     #: ALLOC: the frames after the sizes carry uses, as TOUCH does (a
     #: TOUCH_COUNTS frame, then the keys), applied before allocating.
     TOUCHED = 4
-    #: COMMIT and PUT: the last frame holds the value sizes (i64) of the
-    #: writer's next put; reserve chunks for it from free ones, never by
-    #: evicting, and answer ``RESERVATION`` (lease 0: none), runs counts
-    #: and runs as ALLOC does.
+    #: COMMIT: the last frame holds the value sizes (i64) of the writer's
+    #: next put; reserve chunks for it from free ones, never by evicting,
+    #: and answer ``RESERVATION`` (lease 0: none), run counts and runs as
+    #: ALLOC does.
     RESERVE = 8
     #: ALLOC: the last frame is a reservation the writer will not use
     #: (``RELEASED``); released before allocating.

@@ -5,10 +5,11 @@ hands out chunks for the keys not yet stored, the client copies the values
 straight into them, and COMMIT makes them visible.  Where the server offers
 reservations (``Segments.reserve_use_s``), each put also asks for chunks
 for a next put of values of the same sizes, which the server takes from
-free chunks only, never by evicting.  A next put that fits copies into them
-and makes one request (PUT), which names its keys, commits them and asks
-for the next reservation: back-to-back puts of like batches take one round
-trip each.  A reservation is used by one put at most, only in the process
+free chunks only, never by evicting.  A next put that fits names its keys
+in a message the server does not answer (DECLARE, which makes the
+reservation a lease of those keys while the values are copied), copies
+into the reserved chunks and commits: back-to-back puts of like batches
+take one round trip each.  A reservation is used by one put at most, only in the process
 and server epoch it was made for, and only within the time the server
 allows (half its lease timeout; after the whole of it the server may
 reclaim the chunks).  One that does not fit is given back with the next
@@ -89,7 +90,7 @@ class Writer:
         self.overwrite = overwrite
         self._lock = threading.Lock()
         self._held: Reservation | None = None
-        #: Puts made in one request (into a reservation), for ``stats``.
+        #: Puts made with one round trip (into a reservation), for ``stats``.
         self.reserved_puts = 0
 
     def _take(self) -> Reservation | None:
@@ -180,38 +181,43 @@ class Writer:
         todo = [(i, starts[k], starts[k + 1]) for k, i in enumerate(i for i, st in enumerate(status)
                                                                       if st == _ALLOC_NEW)]
         deadline = self._copy(seg, lease_id, todo, runs, srcs, sizes, before_value, deadline)
-        flags, reserve = self._reserve_frames(seg, sizes)
-        try:
-            _seg, commit_status, out = self._conn.request(Op.COMMIT, reserve, flags=flags, arg=lease_id,
-                                                          deadline=deadline, epoch=seg.epoch)
-        except StoreUnavailableError:
-            return result
-        if commit_status != Status.OK:
-            return result
-        self._hold(out, seg, deadline)
-        return [st != _ALLOC_FAILED for st in status]
+        return self._commit(seg, lease_id, sizes, deadline, [st != _ALLOC_FAILED for st in status], result)
 
     def _put_reserved(self, held: Reservation, seg: Segments, keys, srcs, sizes, before_value) -> list[bool]:
         deadline = self._conn.deadline()
-        todo = [(i, held.starts[i], held.starts[i + 1]) for i in range(len(keys))]
-        deadline = self._copy(seg, held.lease_id, todo, held.runs, srcs, sizes, before_value, deadline)
         key_len, key_frames = pack_keys(keys)
         flags, touch = self._uses_frames()
-        reserve_flag, reserve = self._reserve_frames(seg, sizes)
-        flags |= reserve_flag
         if self.overwrite:
             flags |= Flag.OVERWRITE
         try:
-            _seg, status, out = self._conn.request(Op.PUT, [*key_frames, sizes.tobytes(), *touch, *reserve],
-                                                   key_len=key_len, flags=flags, arg=held.lease_id,
-                                                   deadline=deadline, epoch=held.epoch)
+            # Not answered: the server names the keys while the values are
+            # copied, and answers the COMMIT after it.
+            self._conn.call(Op.DECLARE, [*key_frames, sizes.tobytes(), *touch], key_len=key_len, flags=flags,
+                            arg=held.lease_id, epoch=held.epoch, deadline=deadline)
+        except (NoAnswer, StoreError):
+            return [False] * len(keys)
+        todo = [(i, held.starts[i], held.starts[i + 1]) for i in range(len(keys))]
+        deadline = self._copy(seg, held.lease_id, todo, held.runs, srcs, sizes, before_value, deadline)
+        stored = [True] * len(keys)
+        result = self._commit(seg, held.lease_id, sizes, deadline, stored, [False] * len(keys))
+        if result is stored:
+            self.reserved_puts += 1
+        return result
+
+    def _commit(self, seg: Segments, lease_id: int, sizes: array.array, deadline: float, stored: list[bool],
+                otherwise: list[bool]) -> list[bool]:
+        """COMMIT the lease, asking for the next reservation: ``stored``
+        once it is committed, else ``otherwise``."""
+        flags, reserve = self._reserve_frames(seg, sizes)
+        try:
+            _seg, status, out = self._conn.request(Op.COMMIT, reserve, flags=flags, arg=lease_id,
+                                                   deadline=deadline, epoch=seg.epoch)
         except StoreUnavailableError:
-            return [False] * len(keys)
+            return otherwise
         if status != Status.OK:
-            return [False] * len(keys)
-        self.reserved_puts += 1
+            return otherwise
         self._hold(out, seg, deadline)
-        return [True] * len(keys)
+        return stored
 
     def _copy(self, seg: Segments, lease_id: int, todo: list[tuple[int, int, int]], runs: array.array,
               srcs, sizes, before_value, deadline: float) -> float:

@@ -48,6 +48,7 @@ from . import keytable, locations
 from .index import ChunkIndex, Entry, Lease
 from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, lock_until, valid_name
 from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EPOCH_FREE_OPS, EXIT_ALREADY_RUNNING,
+                       NO_REPLY_OPS,
                        PROTOCOL_VERSION, REPLY, REQUEST, Op, Status)
 from .transport import Inbox, Outbox, PeerGone
 
@@ -211,7 +212,7 @@ class IndexServer:
             Op.GET: chunks.op_get, Op.ALLOC: chunks.op_alloc, Op.COMMIT: chunks.op_commit,
             Op.ABORT: chunks.op_abort, Op.DELETE: chunks.op_delete, Op.STATS: self._op_stats,
             Op.CLEAR: chunks.op_clear, Op.SHUTDOWN: self._op_shutdown, Op.KEYS: chunks.op_keys,
-            Op.TOUCH: chunks.op_touch, Op.PUT: chunks.op_put,
+            Op.TOUCH: chunks.op_touch, Op.DECLARE: chunks.op_declare,
         }
         selector = selectors.DefaultSelector()
         selector.register(sock, selectors.EVENT_READ)
@@ -278,7 +279,9 @@ class IndexServer:
                     if not data:
                         raise PeerGone("closed")
                     for message in client.inbox.feed(data):
-                        client.outbox.put(self._handle(handlers, message))
+                        reply = self._handle(handlers, message)
+                        if reply is not None:
+                            client.outbox.put(reply)
                     if len(data) < _RECV_NBYTES:
                         break
             done = client.outbox.flush(conn)
@@ -291,10 +294,19 @@ class IndexServer:
             client.waiting = not done
             selector.modify(conn, selectors.EVENT_READ if done else selectors.EVENT_WRITE, client)
 
-    def _handle(self, handlers, message: list) -> list:
+    def _handle(self, handlers, message: list) -> list | None:
         if not message or message[0].nbytes != REQUEST.size:
             raise PeerGone("not a request")
         op, flags, key_len, rid, epoch, arg = REQUEST.unpack(message[0])
+        if op in NO_REPLY_OPS:
+            # Nothing is sent back, also not a refusal: the request that
+            # follows finds its effect missing and is answered for both.
+            if epoch == self.epoch:
+                try:
+                    handlers[op](flags, key_len, arg, message[1:])
+                except Exception:   # a bad request must not take the server down
+                    self.chunks.counters["requests_refused"] += 1
+            return None
         if epoch != self.epoch and op not in EPOCH_FREE_OPS:
             return [REPLY.pack(Status.STALE, rid, self.epoch)]
         handler = handlers.get(op)
