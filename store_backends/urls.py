@@ -173,6 +173,26 @@ def parse_bool(text: str, *, url: str = "", name: str) -> bool:
     raise StoreOpenError(f"{where}{name}={text!r} is not a boolean; write true or false")
 
 
+def parse_cpus(text: str, *, url: str = "", name: str = "cpus") -> tuple[int, ...]:
+    """A CPU list as ``taskset -c`` reads one (``2``, ``0-3``, ``1,3-5``):
+    the CPU numbers, sorted."""
+    cpus: set[int] = set()
+    try:
+        for part in str(text).split(","):
+            first, _, last = part.strip().partition("-")
+            lo = int(first)
+            hi = int(last) if last else lo
+            if lo < 0 or hi < lo:
+                raise ValueError
+            cpus.update(range(lo, hi + 1))
+    except ValueError:
+        cpus = set()
+    if not cpus:
+        where = f"store '{mask_password(url)}': " if url else ""
+        raise StoreOpenError(f"{where}{name}={text!r} is not a CPU list; write it like 3, 2-3 or 0,2-3")
+    return tuple(sorted(cpus))
+
+
 def query_options(url: str, allowed: set[str]) -> dict[str, str]:
     """The URL's query as a dict; an option not in ``allowed`` or given
     twice is an error that names it."""

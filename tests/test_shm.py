@@ -1287,3 +1287,32 @@ def test_values_named_before_their_copy_stay_invisible_until_committed(shm):
             writer.put_parts([b"f0", b"f1"], [[value_for(k, 8192)] for k in (b"f0", b"f1")], before_value=fail)
         assert reader.contains([b"f0", b"f1"]) == [False, False]
         assert writer.stats().extra["leased_chunks"] == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to choose one")
+def test_a_server_started_with_cpus_runs_on_them_and_status_says_so(shm):
+    cpu = max(os.sched_getaffinity(0))
+    with open_store(shm.url(capacity="1MiB", cpus=str(cpu))) as store:
+        pid = store.stats().extra["server_pid"]
+        assert os.sched_getaffinity(pid) == {cpu}
+        assert server_status(shm.name, shm.rundir).cpus == [cpu]
+        assert store.put([b"k"], [b"v"]) == [True] and store.get([b"k"]) == [b"v"]
+    text = subprocess.run([sys.executable, "-m", "ucm_connector.cli", "shm", "status", "--runtime-dir", shm.rundir,
+                           shm.name], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+    assert f"on CPUs {cpu}" in text
+
+
+@pytest.mark.parametrize("cpus", ["", "x", "3-1", "-2", "1,,2"])
+def test_a_cpu_list_that_is_not_one_is_an_open_error_naming_it(shm, cpus):
+    with pytest.raises(StoreOpenError, match=r"cpus=.* is not a CPU list"):
+        open_store(shm.url(cpus=cpus))
+    assert server_processes(shm.name) == []
+
+
+def test_serve_refuses_cpus_it_cannot_run_on(shm):
+    cpus = str(max(os.sched_getaffinity(0)) + 1000)
+    done = subprocess.run([sys.executable, "-m", "store_backends.shm_server", "serve", "--runtime-dir", shm.rundir,
+                           "--cpus", cpus, shm.name], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 1 and f"--cpus='{cpus}' names no CPU this process may run on" in done.stderr
+    assert server_processes(shm.name) == []

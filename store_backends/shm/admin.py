@@ -58,6 +58,7 @@ class ServerStatus:
     used_chunks: int | None = None
     num_leases: int | None = None
     reserved_chunks: int | None = None       # of the leased ones: reserved for writers' next puts
+    cpus: list[int] | None = None            # the server may run on these
     idle_timeout_s: float | None = None
     lease_timeout_s: float | None = None
     data_path: str | None = None

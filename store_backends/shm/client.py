@@ -47,6 +47,9 @@ URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
 * ``prefault`` (default true): reserve the memory when the server starts and
   map it up front in each client, so that no copy pays page faults and no
   client can hit SIGBUS on a full /dev/shm.
+* ``cpus`` (default: any): the CPUs a server this client starts runs on,
+  as ``taskset -c`` writes them (``3``, ``2-3``): one the engines leave
+  free spares each put a wait for a CPU.
 * ``runtime_dir``: where the control socket and lock files go.  It must be
   this user's and writable by no one else (``paths.check_rundir``).
 """
@@ -64,7 +67,7 @@ import numpy as np
 from ..base import (Buffer, KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError,
                     byte_view, copy_into_parts)
 from ..process import pid_alive
-from ..urls import mask_password, parse_bool, parse_seconds, parse_size, query_options, split_store_url
+from ..urls import mask_password, parse_bool, parse_cpus, parse_seconds, parse_size, query_options, split_store_url
 from . import admin
 from .connection import NoAnswer, ServerConnection
 from .copies import copy, copy_run_into_parts, value_slices
@@ -87,6 +90,7 @@ _OPTIONS = {
     "overwrite": ("overwrite", parse_bool),
     "prefault": ("prefault", parse_bool),
     "runtime_dir": ("runtime_dir", lambda text, *, url, name: text),
+    "cpus": ("cpus", parse_cpus),
 }
 
 #: How long closing a store waits to send its pending uses and give back
@@ -103,7 +107,7 @@ class ShmStore(KVStore):
                  idle_timeout_s: float | None = None, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
                  timeout_s: float = 5.0, overwrite: bool = False, prefault: bool = True,
                  runtime_dir: str | None = None, url: str | None = None,
-                 open_mode: OpenMode | str = OpenMode.SERVE) -> None:
+                 open_mode: OpenMode | str = OpenMode.SERVE, cpus: tuple[int, ...] | None = None) -> None:
         self.url = mask_password(url) if url else f"shm://{name}"
         self.open_mode = OpenMode(open_mode)
         if not isinstance(name, str) or not valid_name(name):
@@ -136,7 +140,7 @@ class ShmStore(KVStore):
                 f"unix socket; use a shorter name or runtime_dir")
         settings = ServerSettings(name=name, capacity_nbytes=capacity_nbytes, chunk_nbytes=chunk_nbytes,
                                   idle_timeout_s=idle_timeout_s, lease_timeout_s=lease_timeout_s,
-                                  prefault=prefault)
+                                  prefault=prefault, cpus=cpus)
         self._conn = ServerConnection(self.url, self.paths, settings, timeout_s=timeout_s,
                                       open_mode=self.open_mode, server_mode=server)
         # Gets answered from the published locations, and reads found torn

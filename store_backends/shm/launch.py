@@ -35,6 +35,7 @@ class ServerSettings:
     idle_timeout_s: float | None
     lease_timeout_s: float
     prefault: bool
+    cpus: tuple[int, ...] | None = None
 
     def serve_command(self, paths: Paths) -> list[str]:
         """The command line that starts this server detached."""
@@ -46,6 +47,8 @@ class ServerSettings:
             cmd += ["--idle-timeout", repr(float(self.idle_timeout_s))]
         if not self.prefault:
             cmd.append("--no-prefault")
+        if self.cpus:
+            cmd += ["--cpus", ",".join(map(str, self.cpus))]
         # After "--": a NAME may start with '-' and must not read as an option.
         return cmd + ["--", self.name]
 

@@ -329,6 +329,7 @@ class IndexServer:
             "where_path": self.where_path,
             # Reservations (Flag.RESERVE) are offered, to be used within this long of their answer.
             "reserve_use_s": self.lease_timeout_s / 2,
+            "cpus": sorted(os.sched_getaffinity(0)),
         }
 
     def _op_hello(self, flags, key_len, arg, frames):
@@ -435,7 +436,8 @@ def _serve_detached(server: IndexServer) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m store_backends.shm_server serve|stop|status NAME``."""
-    from ..urls import parse_seconds, parse_size
+    from ..base import StoreOpenError
+    from ..urls import parse_cpus, parse_seconds, parse_size
     from .admin import server_status, stop_server
 
     parser = argparse.ArgumentParser(prog="python -m store_backends.shm_server",
@@ -449,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--lease-timeout", default=str(DEFAULT_LEASE_TIMEOUT_S))
     serve.add_argument("--no-prefault", action="store_true", help="do not reserve the memory up front")
     serve.add_argument("--runtime-dir", default=None)
+    serve.add_argument("--cpus", default=None, metavar="LIST",
+                       help="run on these CPUs only, as taskset -c writes them (3, 2-3, 0,2-3)")
     serve.add_argument("--detach", action="store_true", help="run in the background; exit once ready")
     for command in ("stop", "status"):
         p = sub.add_parser(command, help=f"{command} the server of NAME")
@@ -477,6 +481,16 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(json.dumps(status.to_dict(), indent=2, sort_keys=True))
         return 0
+    if args.command == "serve" and args.cpus is not None:
+        try:
+            os.sched_setaffinity(0, parse_cpus(args.cpus, name="--cpus"))
+        except StoreOpenError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except OSError:
+            print(f"error: --cpus={args.cpus!r} names no CPU this process may run on (it may run on "
+                  f"{','.join(map(str, sorted(os.sched_getaffinity(0))))})", file=sys.stderr)
+            return 1
     try:
         server = IndexServer(
             args.name,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -224,7 +225,9 @@ def shm_list_line(name: str, status: ServerStatus) -> str:
 def print_shm_status_text(name: str, status: ServerStatus) -> None:
     capacity = status.capacity_nbytes
     used = status.used_nbytes
-    print(f"shm://{name}: server pid {status.pid}, up {status.uptime_s / 3600:.1f} h")
+    cpus = status.cpus or []
+    on = f", on CPUs {','.join(map(str, cpus))}" if cpus and len(cpus) < (os.cpu_count() or 0) else ""
+    print(f"shm://{name}: server pid {status.pid}, up {status.uptime_s / 3600:.1f} h{on}")
     print(f"  {plural(status.num_blocks, 'block')}, {nbytes(status.nbytes)} of values in {nbytes(used)} "
           f"of chunks; capacity {nbytes(capacity)} ({100 * used / capacity:.1f}% used), "
           f"chunk {nbytes(status.chunk_nbytes)}")
