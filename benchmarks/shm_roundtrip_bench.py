@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/shm_roundtrip_bench.py [--batch 16] [--value-kib 1024] [--rounds 200]
 
 Starts a private shm store (capacity 1 GiB), then times, as p50 over
-``--rounds``: a bare request (HELLO), each request of a put (ALLOC and
-COMMIT, or PUT for a put into a reservation; timed inside ``put``), a
-whole ``put`` of ``--batch`` values of
+``--rounds``: a bare request (HELLO), each request of a put, timed inside
+``put`` (ALLOC and COMMIT; a put into a reservation sends DECLARE, which is
+not answered, then COMMIT), a whole ``put`` of ``--batch`` values of
 ``--value-kib``, a ``get_into`` of them, and one ``np.copyto`` of the same
 number of bytes (what the copies alone cost).  The store is stopped
 afterwards.  Every value read back is compared with what was put.
@@ -44,18 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     values = [rng.integers(0, 256, nbytes, np.uint8).tobytes() for _ in range(args.batch)]
     store = open_store(f"shm://{name}?capacity=1GiB")
     try:
-        by_op: dict[str, list[float]] = {"ALLOC": [], "COMMIT": [], "PUT": []}
-        inner = store._conn.request
+        by_op: dict[str, list[float]] = {"ALLOC": [], "DECLARE": [], "COMMIT": []}
 
-        def timed(op, *a, **k):
-            started = time.perf_counter()
-            try:
-                return inner(op, *a, **k)
-            finally:
-                if Op(op).name in by_op:
-                    by_op[Op(op).name].append(time.perf_counter() - started)
+        def timed(inner, ops):
+            def call(op, *a, **k):
+                started = time.perf_counter()
+                try:
+                    return inner(op, *a, **k)
+                finally:
+                    if Op(op).name in ops:
+                        by_op[Op(op).name].append(time.perf_counter() - started)
+            return call
 
-        store._conn.request = timed
+        # DECLARE goes out as a bare call (it is not answered), the others as requests.
+        store._conn.request = timed(store._conn.request, ("ALLOC", "COMMIT"))
+        store._conn.call = timed(store._conn.call, ("DECLARE",))
         hello, puts, gets = [], [], []
         buffers = [bytearray(nbytes) for _ in range(args.batch)]
         for r in range(args.rounds):

@@ -2,14 +2,16 @@
 
 Owns the server's state and the requests that read or change it: the LRU
 index ``key -> Entry`` (chunks + size), the free chunks, the leases of
-writers that took chunks and have not committed them, eviction, the sweep
-that reclaims the leases of dead or stuck writers, the counters ``stats``
-reports, and the handlers of the ops that touch them (``op_get``,
-``op_alloc``, ``op_commit``...), which unpack keys and pack their replies
-as ``protocol`` says.  Bumps a chunk's generation (in the array it is
-handed, the shared generation segment) whenever it frees the chunk, before
-the chunk can be handed out again, and keeps the key table
-(``keytable``, when the server publishes one) in step with the index.
+writers that took chunks and have not committed them (also reservations:
+free chunks held for a writer's next put, until it names their keys),
+eviction, the sweep that reclaims the leases of dead or stuck writers, the
+counters ``stats`` reports, and the handlers of the ops that touch them
+(``op_get``, ``op_alloc``, ``op_declare``, ``op_commit``...), which unpack
+keys and pack their replies as ``protocol`` says.  Bumps a chunk's
+generation (in the array it is handed, the shared generation segment)
+whenever it frees the chunk, before the chunk can be handed out again, and
+keeps the key table (``keytable``) and the published locations
+(``locations``), where the server publishes them, in step with the index.
 
 Pure bookkeeping in one process: must not touch a socket, a file, a signal
 or the values' bytes; the server process (``server``) owns those and calls

@@ -9,11 +9,12 @@ free chunks only, never by evicting.  A next put that fits names its keys
 in a message the server does not answer (DECLARE, which makes the
 reservation a lease of those keys while the values are copied), copies
 into the reserved chunks and commits: back-to-back puts of like batches
-take one round trip each.  A reservation is used by one put at most, only in the process
-and server epoch it was made for, and only within the time the server
-allows (half its lease timeout; after the whole of it the server may
-reclaim the chunks).  One that does not fit is given back with the next
-ALLOC (``Flag.RELEASE``), and at close.
+take one round trip each.  A reservation is used by one put at most, only
+in the process and server epoch it was made for, and only within the time
+the server allows (half its lease timeout; after the whole of it the
+server may reclaim the chunks, so a put stalled that long mid-copy is the
+one way to lose them, as for an ALLOC's).  One that does not fit is given
+back with the next ALLOC (``Flag.RELEASE``), and at close.
 
 Must not know gets, lookups, the URL or what is owed to the server's
 counters (``client``, ``uses``), nor sockets and reconnects
@@ -65,7 +66,7 @@ class Reservation:
 
     @classmethod
     def from_reply(cls, frames: list[bytes], seg: Segments) -> "Reservation | None":
-        """The reservation a COMMIT or PUT flagged ``RESERVE`` answered
+        """The reservation a COMMIT flagged ``RESERVE`` answered
         (its last three frames); None when the server made none."""
         if len(frames) < 3:
             return None

@@ -48,8 +48,7 @@ from . import keytable, locations
 from .index import ChunkIndex, Entry, Lease
 from .paths import SEGMENT_DIR, Paths, UnsafeRuntimeDir, lock_until, valid_name
 from .protocol import (DEFAULT_CHUNK_NBYTES, DEFAULT_LEASE_TIMEOUT_S, EPOCH_FREE_OPS, EXIT_ALREADY_RUNNING,
-                       NO_REPLY_OPS,
-                       PROTOCOL_VERSION, REPLY, REQUEST, Op, Status)
+                       NO_REPLY_OPS, PROTOCOL_VERSION, REPLY, REQUEST, Op, Status)
 from .transport import Inbox, Outbox, PeerGone
 
 __all__ = ["ChunkIndex", "Entry", "IndexServer", "Lease", "SWEEP_INTERVAL_S", "main"]
