@@ -4,19 +4,19 @@ The values live in a data segment under /dev/shm that every client maps; a
 small index server (``server``, one per NAME, started on demand and detached
 so it outlives the process that started it) owns the LRU index and hands out
 chunks of the segment.  This module owns the store's operations: it parses
-the URL, packs the requests of put, get, lookups and deletes, answers
-lookups from the server's key table (``keytable``) and finds the values of
-gets from its published locations (``locations``) when it can, telling the
-server of those uses later in one message (``Op.TOUCH``, or along with the
-next put's ALLOC, so that LRU order holds for its own puts; ``uses`` keeps
-what is owed), copies values between the caller's buffers and the segment
-(once, with no intermediate buffer; ``copies``), and checks the chunk
-generations after each read so that a value overwritten or evicted during
-the copy is a miss, never a wrong value.  It
-must not keep the index or decide evictions (the server's), define the wire
-format (``protocol``) or the file layout (``paths``), nor handle sockets,
-deadlines, reconnects or server starts (``connection``, ``launch``) or map
-segments (``segments``).
+the URL, hands puts to its ``puts.Writer``, packs the requests of get,
+lookups and deletes, answers lookups from the server's key table
+(``keytable``) and finds the values of gets from its published locations
+(``locations``) when it can, telling the server of those uses later in one
+message (``Op.TOUCH``, or along with the next put, so that LRU order holds
+for its own puts; ``uses`` keeps what is owed), copies values from the
+segment into the caller's buffers (once, with no intermediate buffer;
+``copies``), and checks the chunk generations after each read so that a
+value overwritten or evicted during the copy is a miss, never a wrong
+value.  It must not keep the index or decide evictions (the server's),
+define the wire format (``protocol``) or the file layout (``paths``), nor
+handle sockets, deadlines, reconnects or server starts (``connection``,
+``launch``) or map segments (``segments``).
 
 Opened with ``OpenMode.INSPECT`` (for operators), it never starts a server,
 also not after the server died: with none running, opening raises
@@ -48,8 +48,9 @@ URL: ``shm://NAME?capacity=1GiB&chunk=64KiB&server=embedded&timeout=5``
   map it up front in each client, so that no copy pays page faults and no
   client can hit SIGBUS on a full /dev/shm.
 * ``cpus`` (default: any): the CPUs a server this client starts runs on,
-  as ``taskset -c`` writes them (``3``, ``2-3``): one the engines leave
-  free spares each put a wait for a CPU.
+  as ``taskset -c`` writes them (``3``, ``2-3``).  Given a CPU the engines
+  leave free, the server no longer waits for the CPU of the writer that
+  woke it.
 * ``runtime_dir``: where the control socket and lock files go.  It must be
   this user's and writable by no one else (``paths.check_rundir``).
 """
