@@ -1179,10 +1179,14 @@ def test_back_to_back_puts_copy_into_chunks_reserved_by_the_previous_one(shm):
         assert store.get(everything) == want
         stats = store.stats()
         assert stats.num_blocks == len(everything) and stats.nbytes == sum(map(len, want))
+        # No chunks are reserved for an empty value; this put's reservation is given back at close.
+        assert _reservations(store)["reserved_chunks"] == 0
+        assert store.put([b"last"], [value_for(b"last", 4096)]) == [True]
+        assert _reservations(store)["reserved_chunks"] == 1
     with open_store(url) as store:
         got = _reservations(store)
         assert got["reserved_chunks"] == got["leased_chunks"] == 0
-        assert store.stats().extra["used_chunks"] == 32 * 3 + 8 * 2 + 2 + 1
+        assert store.stats().extra["used_chunks"] == 32 * 3 + 8 * 2 + 2 + 1 + 1
 
 
 def test_a_reservation_never_evicts_and_a_full_store_is_put_to_in_two_requests(shm):
@@ -1197,11 +1201,11 @@ def test_a_reservation_never_evicts_and_a_full_store_is_put_to_in_two_requests(s
 
 
 def test_a_reservation_past_its_use_window_is_given_back_not_used(shm):
-    # A lease timeout of 1 s: reservations may be used for half of it.
-    with open_store(shm.url(capacity="4MiB", chunk="4KiB", lease_timeout="1")) as store:
+    # A lease timeout of 3 s: reservations may be used for half of it.
+    with open_store(shm.url(capacity="4MiB", chunk="4KiB", lease_timeout="3")) as store:
         assert store.put([b"a"], [value_for(b"a", 8000)]) == [True]
         assert _reservations(store)["reserved_chunks"] == 2
-        time.sleep(0.6)
+        time.sleep(1.6)
         assert store.put([b"b"], [value_for(b"b", 8000)]) == [True]
         got = _reservations(store)
         assert got["reserved_puts"] == 0 and got["reserved_chunks"] == got["leased_chunks"] == 2
@@ -1316,3 +1320,25 @@ def test_serve_refuses_cpus_it_cannot_run_on(shm):
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 1 and f"--cpus='{cpus}' names no CPU this process may run on" in done.stderr
     assert server_processes(shm.name) == []
+
+
+def test_a_forked_child_never_uses_its_parents_reservation(shm):
+    """After a fork the parent's reservation stays the parent's: were the
+    child to copy into it too, one of the two would overwrite values the
+    other stored."""
+    with open_store(shm.url(capacity="4MiB", chunk="4KiB")) as store:
+        assert store.put([b"p0", b"p1"], [value_for(b"p0", 8192), value_for(b"p1", 8192)]) == [True, True]
+        assert _reservations(store)["reserved_chunks"] == 4
+        pid = os.fork()
+        if pid == 0:    # the child: its like put takes chunks of its own
+            try:
+                ok = store.put([b"c0", b"c1"], [value_for(b"c0", 8192), value_for(b"c1", 8192)]) == [True, True]
+                ok = ok and store._writer.reserved_puts == 0
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert store.put([b"q0", b"q1"], [value_for(b"q0", 8192), value_for(b"q1", 8192)]) == [True, True]
+        assert store.stats().extra["reserved_puts"] == 1
+        keys = [b"p0", b"p1", b"c0", b"c1", b"q0", b"q1"]
+        assert store.get(keys) == [value_for(k, 8192) for k in keys]
