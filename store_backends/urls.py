@@ -173,6 +173,10 @@ def parse_bool(text: str, *, url: str = "", name: str) -> bool:
     raise StoreOpenError(f"{where}{name}={text!r} is not a boolean; write true or false")
 
 
+#: CPU numbers at or past this are no CPU (Linux builds for at most 8192).
+_MAX_CPUS = 1 << 16
+
+
 def parse_cpus(text: str, *, url: str = "", name: str = "cpus") -> tuple[int, ...]:
     """A CPU list as ``taskset -c`` reads one (``2``, ``0-3``, ``1,3-5``):
     the CPU numbers, sorted."""
@@ -182,7 +186,7 @@ def parse_cpus(text: str, *, url: str = "", name: str = "cpus") -> tuple[int, ..
             first, _, last = part.strip().partition("-")
             lo = int(first)
             hi = int(last) if last else lo
-            if lo < 0 or hi < lo:
+            if lo < 0 or hi < lo or hi >= _MAX_CPUS:
                 raise ValueError
             cpus.update(range(lo, hi + 1))
     except ValueError:

@@ -1306,7 +1306,7 @@ def test_a_server_started_with_cpus_runs_on_them_and_status_says_so(shm):
     assert f"on CPUs {cpu}" in text
 
 
-@pytest.mark.parametrize("cpus", ["", "x", "3-1", "-2", "1,,2"])
+@pytest.mark.parametrize("cpus", ["", "x", "3-1", "-2", "1,,2", "0-4000000000"])
 def test_a_cpu_list_that_is_not_one_is_an_open_error_naming_it(shm, cpus):
     with pytest.raises(StoreOpenError, match=r"cpus=.* is not a CPU list"):
         open_store(shm.url(cpus=cpus))
