@@ -40,6 +40,11 @@ _NO_RESERVATION = [RESERVATION.pack(0), b"", b""]
 _RUN = struct.Struct("<ii")      # a run of chunks: first, count
 
 
+def _flat(runs: list[tuple[int, int]]) -> bytes:
+    """Runs as the wire and ``Entry.runs`` hold them: int32 first, count pairs."""
+    return array.array("i", [x for run in runs for x in run]).tobytes()
+
+
 class Entry:
     """A committed value: ``runs`` is (start, count) int32 pairs as bytes;
     ``fp`` its key's fingerprint and ``slot`` where the key table holds it
@@ -262,8 +267,7 @@ class ChunkIndex:
                         free[0] = (start + take, count - take)
                     nchunks -= take
                 held = sum(count for _s, count in runs)
-                flat = array.array("i", [x for run in runs for x in run]).tobytes()
-                lease.items.append((b"", Entry(held * chunk, flat, len(runs), held, runs[0][0], 0), runs))
+                lease.items.append((b"", Entry(held * chunk, _flat(runs), len(runs), held, runs[0][0], 0), runs))
         self.leased_chunks += total
         self.reserved_chunks += total
         self.counters["reservations"] += 1
@@ -297,8 +301,8 @@ class ChunkIndex:
             self.leased_chunks -= held.nchunks - need
             self._free_runs(spare)
             if i < len(keys):
-                flat = array.array("i", [x for run in keep for x in run]).tobytes()
-                items.append((keys[i], Entry(sizes[i], flat, len(keep), need, keep[0][0] if keep else -1, 0), keep))
+                items.append((keys[i], Entry(sizes[i], _flat(keep), len(keep), need, keep[0][0] if keep else -1, 0),
+                              keep))
         # Generations as of now: the chunks' own, unchanged since they were reserved.
         firsts = [entry.first for _k, entry, _r in items if entry.nchunks]
         if firsts:
@@ -411,7 +415,7 @@ class ChunkIndex:
                 self.counters["put_failures"] += 1
                 continue
             self.leased_chunks += nchunks
-            flat = array.array("i", [x for run in runs for x in run]).tobytes()
+            flat = _flat(runs)
             first = runs[0][0] if runs else -1
             gen = int(self.gen[first]) if runs else 0
             lease.items.append((key, Entry(size, flat, len(runs), nchunks, first, gen), runs))

@@ -42,6 +42,15 @@ _ALLOC_PRESENT = int(Alloc.PRESENT)
 _ALLOC_FAILED = int(Alloc.FAILED)
 
 
+def run_starts(nruns) -> list[int]:
+    """Where each value's runs begin in the flat runs array (first chunk,
+    count pairs), given each value's run count; one more at the end."""
+    starts = [0]
+    for n in nruns:
+        starts.append(starts[-1] + 2 * n)
+    return starts
+
+
 class Reservation:
     """Chunks the server holds for this client's next put: item i, of
     ``capacities[i]`` bytes, is the runs ``runs[starts[i]:starts[i + 1]]``
@@ -56,13 +65,9 @@ class Reservation:
         self.use_by = time.monotonic() + seg.reserve_use_s
         self.nruns = nruns
         self.runs = runs
-        self.starts = [0]
-        self.capacities = []
-        for n in nruns:
-            start = self.starts[-1]
-            end = start + 2 * n
-            self.capacities.append(sum(runs[j + 1] for j in range(start, end, 2)) * seg.chunk)
-            self.starts.append(end)
+        self.starts = run_starts(nruns)
+        self.capacities = [sum(runs[j + 1] for j in range(start, end, 2)) * seg.chunk
+                           for start, end in zip(self.starts, self.starts[1:])]
 
     @classmethod
     def from_reply(cls, frames: list[bytes], seg: Segments) -> "Reservation | None":
@@ -107,19 +112,21 @@ class Writer:
         with self._lock:
             extra, self._held = self._held, new
         if extra is not None and extra.pid == os.getpid():
-            self._give_back(extra, deadline)    # another thread's put got one meanwhile
+            self._abort(extra.lease_id, extra.epoch, deadline)    # another thread's put got one meanwhile
 
-    def _give_back(self, held: Reservation, deadline: float) -> None:
+    def _abort(self, lease_id: int, epoch: int, deadline: float) -> None:
+        """Give a lease or reservation back; one not given back is reclaimed
+        after the lease timeout, or once this process is gone."""
         try:
-            self._conn.call(Op.ABORT, arg=held.lease_id, epoch=held.epoch, deadline=deadline)
+            self._conn.call(Op.ABORT, arg=lease_id, epoch=epoch, deadline=deadline)
         except (NoAnswer, StoreError):
-            pass  # the server reclaims it after its lease timeout, or once this process is gone
+            pass
 
     def close(self, deadline: float) -> None:
         """Give the reservation back (at close)."""
         held = self._take()
         if held is not None:
-            self._give_back(held, deadline)
+            self._abort(held.lease_id, held.epoch, deadline)
 
     def write(self, keys: Sequence[bytes], srcs: list[list], before_value: Callable[[int], object] | None = None
               ) -> list[bool]:
@@ -176,9 +183,7 @@ class Writer:
         result = [s == _ALLOC_PRESENT for s in status]
         if not lease_id:
             return result
-        starts = [0]
-        for n in nruns:
-            starts.append(starts[-1] + 2 * n)
+        starts = run_starts(nruns)
         todo = [(i, starts[k], starts[k + 1]) for k, i in enumerate(i for i, st in enumerate(status)
                                                                       if st == _ALLOC_NEW)]
         deadline = self._copy(seg, lease_id, todo, runs, srcs, sizes, before_value, deadline)
@@ -241,10 +246,6 @@ class Writer:
                 else:
                     copy_into_parts(value_slices(data, chunk, runs, start, end, sizes[i]), src, copy)
         except BaseException:
-            try:
-                self._conn.call(Op.ABORT, arg=lease_id, epoch=seg.epoch,
-                                deadline=deadline + time.monotonic() - copy_started)
-            except (NoAnswer, StoreError):
-                pass  # the sweep reclaims the lease once this process is gone
+            self._abort(lease_id, seg.epoch, deadline + time.monotonic() - copy_started)
             raise
         return deadline + time.monotonic() - copy_started

@@ -297,24 +297,23 @@ class IndexServer:
         if not message or message[0].nbytes != REQUEST.size:
             raise PeerGone("not a request")
         op, flags, key_len, rid, epoch, arg = REQUEST.unpack(message[0])
-        if op in NO_REPLY_OPS:
-            # Nothing is sent back, also not a refusal: the request that
-            # follows finds its effect missing and is answered for both.
-            if epoch == self.epoch:
-                try:
-                    handlers[op](flags, key_len, arg, message[1:])
-                except Exception:   # a bad request must not take the server down
-                    self.chunks.counters["requests_refused"] += 1
-            return None
+        # An op of NO_REPLY_OPS gets nothing back, also not a refusal: the
+        # request that follows finds its effect missing and is answered for both.
+        answered = op not in NO_REPLY_OPS
         if epoch != self.epoch and op not in EPOCH_FREE_OPS:
-            return [REPLY.pack(Status.STALE, rid, self.epoch)]
+            return [REPLY.pack(Status.STALE, rid, self.epoch)] if answered else None
         handler = handlers.get(op)
         try:
             if handler is None:
                 raise ValueError(f"unknown op {op}")
-            status, frames = handler(flags, key_len, arg, message[1:])
+            answer = handler(flags, key_len, arg, message[1:])
         except Exception as exc:  # a bad request must not take the server down
-            status, frames = Status.ERROR, [f"{type(exc).__name__}: {exc}".encode()]
+            if not answered:
+                self.chunks.counters["requests_refused"] += 1
+            answer = Status.ERROR, [f"{type(exc).__name__}: {exc}".encode()]
+        if not answered:
+            return None
+        status, frames = answer
         return [REPLY.pack(status, rid, self.epoch), *frames]
 
     # -- the ops that are the server's, not the index's
