@@ -170,16 +170,21 @@ class RedisClusterStore(RedisStoreBase):
         if self._stale:
             self._reload_in_background()
         slot_map = self._map
-        index = list(range(len(keys))) if positions is None else positions
-        nodes = slot_map.node_of_slot[slots_of(self._prefix, [keys[i] for i in index])]
+        picked = keys if positions is None else [keys[i] for i in positions]
+        nodes = slot_map.node_of_slot[slots_of(self._prefix, picked)]
         if (nodes < 0).any():
             self._stale = True
             self._reload_in_background()
             raise StoreUnavailableError(
                 f"store '{self.url}' unavailable: no cluster node serves the slot of a key "
                 f"(cluster resharding or down)")
-        order = np.asarray(index)
-        return [(slot_map.pools[n], order[nodes == n].tolist()) for n in np.unique(nodes).tolist()]
+        served = np.unique(nodes).tolist()
+        if positions is None:
+            if len(served) == 1:
+                return [(slot_map.pools[served[0]], None)]
+            return [(slot_map.pools[n], np.flatnonzero(nodes == n).tolist()) for n in served]
+        order = np.asarray(positions)
+        return [(slot_map.pools[n], order[nodes == n].tolist()) for n in served]
 
     def stats(self) -> StoreStats:
         primaries = self._cluster.get_primaries()

@@ -8,6 +8,8 @@ the keys it does not vectorise.  It must not know which node owns a slot
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 from redis.crc import key_slot
 
@@ -35,7 +37,7 @@ _LBRACE = ord("{")
 _RBRACE = ord("}")
 
 
-def slots_of(prefix: bytes, keys: list[bytes]) -> np.ndarray:
+def slots_of(prefix: bytes, keys: Sequence[bytes]) -> np.ndarray:
     """The cluster slot of ``prefix + key`` for each key (CRC16-XMODEM of
     the key, or of its ``{hash tag}``, modulo 16384), computed for all keys
     at once: a per-key Python loop costs milliseconds on thousands of keys.
