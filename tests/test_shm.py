@@ -445,6 +445,72 @@ def test_reader_never_gets_a_wrong_value_while_values_are_overwritten_and_evicte
         writer.wait()
 
 
+def test_reader_never_gets_a_wrong_value_while_writers_put_into_reservations_delete_and_evict(shm):
+    import numpy as np
+
+    # Two processes of two writer threads each overwrite and delete 40 keys of
+    # 3 chunks in a store of 128 chunks: freed chunks are reserved for next
+    # puts, so most puts go into reservations while others evict around them.
+    size = 48 * 1024
+    url = shm.url(capacity="2MiB", chunk="16KiB", overwrite="true")
+    code = """
+        import random, sys, threading, time
+        from store_backends import open_store
+        sys.path.insert(0, sys.argv[2])
+        from test_shm import value_for
+        store = open_store(sys.argv[1])
+        seed = int(sys.argv[4])
+        print("ready", flush=True)
+
+        def work(t):
+            rng = random.Random(seed * 10 + t)
+            version = (seed * 10 + t) * 1_000_000
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                version += 1
+                keys = [b"w%02d" % k for k in rng.sample(range(40), 2)]
+                if rng.random() < 0.1:
+                    store.delete(keys[:1])
+                store.put(keys, [value_for(k, int(sys.argv[3]), version) for k in keys])
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        print("reserved_puts", store.stats().extra["reserved_puts"], flush=True)
+    """
+    with open_store(url) as store:
+        writers = [shm.python(code, url, os.path.dirname(__file__), str(size), str(seed), wait=False)
+                   for seed in (1, 2)]
+        try:
+            for writer in writers:
+                assert writer.stdout.readline().strip() == "ready"
+            keys = [b"w%02d" % i for i in range(40)]
+            buffers = [np.empty(size, np.uint8) for _ in keys]
+            hits = 0
+            while any(writer.poll() is None for writer in writers):
+                for key, value in zip(keys, store.get(keys)):
+                    if value is not None:
+                        hits += 1
+                        assert check_value(key, value), key
+                for key, buf, ok in zip(keys, buffers, store.get_into(keys, buffers)):
+                    if ok:
+                        hits += 1
+                        assert check_value(key, buf.tobytes()), key
+            outputs = [writer.communicate(timeout=30) for writer in writers]
+        finally:
+            for writer in writers:
+                writer.kill()
+                writer.wait()
+        stats = store.stats()
+    for writer, (out, err) in zip(writers, outputs):
+        assert writer.returncode == 0, err
+        assert int(out.split()[-1]) > 100, out      # the writers' puts went into reservations
+    assert hits > 100
+    assert stats.num_evictions > 0
+
+
 # ---------------------------------------------------------------- server faults
 
 def test_killed_server_raises_fast_and_embedded_client_restarts_it(shm):
