@@ -489,7 +489,9 @@ def test_reader_never_gets_a_wrong_value_while_writers_put_into_reservations_del
             keys = [b"w%02d" % i for i in range(40)]
             buffers = [np.empty(size, np.uint8) for _ in keys]
             hits = 0
+            deadline = time.monotonic() + 120
             while any(writer.poll() is None for writer in writers):
+                assert time.monotonic() < deadline, "the writers did not finish"
                 for key, value in zip(keys, store.get(keys)):
                     if value is not None:
                         hits += 1
