@@ -250,6 +250,31 @@ def test_a_row_pool_lends_no_more_than_it_holds():
     assert again is not None and np.shares_memory(again.rows, first.rows)   # the same memory, reused
 
 
+def test_closing_a_row_pool_waits_for_the_copies_still_using_its_rows():
+    """Pinned rows are unpinned at close: not while a copy given them back
+    may still be reading or writing them."""
+    _, src = _vllm("LBNHC", "cpu")
+    transfer = BlockTransfer(src, num_blocks=10)
+    row_nbytes = HEADER + transfer.payload_nbytes
+    pool = transfer.row_pool(row_nbytes, HEADER, max_nbytes=4 * row_nbytes)
+
+    class CopyInFlight:
+        finished = False
+
+        def done(self) -> bool:
+            return self.finished
+
+        def wait(self) -> None:
+            self.finished = True
+
+    copy = CopyInFlight()
+    pool.take(3).release(after=copy)
+    assert pool.take(4, wait=False) is None      # the copy still holds three rows
+    pool.close()
+    assert copy.finished
+    assert pool.take(4, wait=False) is not None
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_return_to_the_pool_once_their_copy_is_done(device):
     _, src = _vllm("LBNHC", device, blocks=64, tokens=16, heads=8, head_size=128)

@@ -193,7 +193,13 @@ class RowPool:
         return self._unregister is not None and self._unregister.alive
 
     def close(self) -> None:
-        """Unpin now rather than when the pool is collected; rows lent out
+        """Unpin now rather than when the pool is collected, once the copies
+        still reading or writing rows given back are done; rows lent out
         stay readable, as plain memory."""
+        with self._cond:
+            pending, self._pending = self._pending, []
+        for rows, transfer in pending:
+            transfer.wait()
+            self._give_back(rows, None)
         if self._unregister is not None:
             self._unregister()
