@@ -51,6 +51,11 @@ class StagingRing:
     def fit(self, row_nbytes: int) -> None:
         if self.slot_nbytes < row_nbytes:   # a block larger than a slot: one block per slot
             self.slot_nbytes = round_up(row_nbytes, 256)
+            if self.buffer is not None:
+                # Its memory goes back to the allocator, which must not hand
+                # it out again before the side streams' queued copies are done.
+                self.buffer.record_stream(self.kernel_stream)
+                self.buffer.record_stream(self.copy_stream)
             self.buffer = None
             self._views.clear()
 
@@ -65,7 +70,7 @@ class StagingRing:
         views = self._views.get(key)
         if views is None:
             if self.buffer is None:
-                self.buffer = torch.empty(self.slot_nbytes * self.slots, dtype=torch.uint8, device=self.device)
+                self._allocate()
             lo = k * self.slot_nbytes
             as_bytes = self.buffer[lo:lo + rows * pool.row_nbytes].view(rows, pool.row_nbytes)
             as_words = as_bytes.view(WORDS[word])
@@ -74,6 +79,16 @@ class StagingRing:
                 self._views.clear()
             self._views[key] = views
         return views
+
+    def _allocate(self) -> None:
+        # The buffer comes from the current stream's memory, which work
+        # still queued there may be using (memory it freed is reused in
+        # its order, not in the side streams'): neither side stream
+        # touches the buffer before that work is done.
+        current = torch.cuda.current_stream(self.device)
+        self.buffer = torch.empty(self.slot_nbytes * self.slots, dtype=torch.uint8, device=self.device)
+        self.kernel_stream.wait_stream(current)
+        self.copy_stream.wait_stream(current)
 
     def issued(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """``(host_done, pages_done)``: events behind all that is queued so
