@@ -5,6 +5,7 @@ and dropped."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -135,6 +136,86 @@ def test_load_puts_back_the_saved_bytes(store, mode, device):
     assert _pages(dst, range(10, 17)) == want
     assert loader.stats.totals()["loaded_blocks"] == 7
     loader.close()
+
+
+def test_a_layer_name_without_a_cache_of_its_own_waits_for_every_layers_copy(store, device, monkeypatch):
+    """A layer that reads another layer's cache (or a name the worker does
+    not know) starts its attention only once every layer is loaded."""
+    from ucm_connector import layer_copies
+    src = _caches(5, device)
+    saver = _worker(store, src)
+    keys = _keys(4)
+    saver.save([BlockPlan("r", [0, 1, 2, 3], keys)])
+    assert saver.flush(10)
+    saver.close()
+    layer = layer_copies.LayerScatter.layer
+
+    def slow_after_the_first(self, i):
+        if i > 0:
+            time.sleep(0.2)
+        return layer(self, i)
+
+    monkeypatch.setattr(layer_copies.LayerScatter, "layer", slow_after_the_first)
+    dst = _caches(6, device)
+    loader = _worker(store, dst, "layer")
+    loader.load([BlockPlan("q", [10, 11, 12, 13], keys)])
+    loader.wait_for_layer("model.layers.3.self_attn.shared")
+    assert _pages(dst, [10, 11, 12, 13]) == _pages(src, [0, 1, 2, 3])
+    assert loader.take_load_errors() == set()
+    loader.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_only_synchronous_loads_make_the_engines_stream_wait_for_their_copies(tmp_path, mode, monkeypatch):
+    """An asynchronous load's request is scheduled only once its copies are
+    done (the loader waits for them on the host): queueing a wait for them
+    on the engine's stream would stall the other requests' forward passes
+    on a GPU."""
+    from ucm_connector.transfer import BlockTransfer
+    store = open_store(f"disk://{tmp_path}/store")
+    store.reads_into_parts = False          # loads go through host rows and scatter_rows
+    src = _caches(7)
+    saver = _worker(store, src)
+    keys = _keys(3)
+    saver.save([BlockPlan("r", [0, 1, 2], keys)])
+    assert saver.flush(10)
+    saver.close()
+    scatter_rows = BlockTransfer.scatter_rows
+    ordered = []
+
+    def recording(self, *args, **kwargs):
+        ordered.append(kwargs.get("ordered", True))
+        return scatter_rows(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockTransfer, "scatter_rows", recording)
+    dst = _caches(8)
+    loader = _worker(store, dst, mode)
+    loader.load([BlockPlan("q", [10, 11, 12], keys)])
+    if mode == "async":
+        _wait_loaded(loader, "q")
+    assert _pages(dst, [10, 11, 12]) == _pages(src, [0, 1, 2])
+    assert ordered and set(ordered) == {mode == "sync"}
+    loader.close()
+    store.close()
+
+
+def test_a_job_thread_sets_itself_up_before_its_first_job_and_runs_jobs_if_that_fails():
+    from ucm_connector.blockio import JobThread
+    seen = []
+    ok = JobThread(seen.append, on_start=lambda: seen.append(("start", threading.current_thread().name)))
+    ok.put(1, 2)
+    assert ok.flush(5)
+    assert seen == [("start", "ucm-loader"), 1, 2]
+    ok.close()
+
+    def fail():
+        raise RuntimeError("no such device")
+
+    done = []
+    failing = JobThread(done.append, name="ucm-test", on_start=fail)
+    failing.put(3)
+    assert failing.flush(5) and done == [3]
+    failing.close()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "layer"])

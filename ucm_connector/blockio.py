@@ -74,8 +74,10 @@ class BlockIO:
 class JobThread:
     """A thread that runs jobs in order until closed."""
 
-    def __init__(self, run: Callable[[object], None], name: str = "ucm-loader") -> None:
+    def __init__(self, run: Callable[[object], None], name: str = "ucm-loader",
+                 on_start: Callable[[], None] | None = None) -> None:
         self._run = run
+        self._on_start = on_start
         self._cond = threading.Condition()
         self._jobs: collections.deque = collections.deque()
         self._running = 0
@@ -89,6 +91,11 @@ class JobThread:
             self._cond.notify_all()
 
     def _loop(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception as exc:  # noqa: BLE001 - the jobs still run; they report their own failures
+                logger.warning("ucm-connector: setting up thread %s failed: %s", self._thread.name, exc)
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:

@@ -84,7 +84,7 @@ class AsyncLoads:
         self._finished: set[str] = set()
         self._recv_errors: set[int] = set()
         self._errors: set[int] = set()
-        self._thread = JobThread(self._run)
+        self._thread = JobThread(self._run, on_start=reader.transfer.bind_thread)
 
     def start(self, plans: list[BlockPlan]) -> None:
         stream = _engine_stream() if self.reader.transfer.on_cuda else None
@@ -95,7 +95,9 @@ class AsyncLoads:
         t0 = time.perf_counter()
         bad: set[int] = set(plan.block_ids)
         try:
-            _, bad, _, copies = self.reader.read([plan], after=stream)
+            # The engine's stream is not made to wait for these copies: the
+            # request is reported (and scheduled) only once they are done.
+            _, bad, _, copies = self.reader.read([plan], after=stream, ordered=False)
             for copy in copies:
                 copy.synchronize()   # this thread may wait; the engine does not
         except Exception as exc:  # the loader must outlive any one bad job
@@ -153,7 +155,7 @@ class LayerLoads:
     def __init__(self, reader: BlockReader) -> None:
         self.reader = reader
         self._job: _LayerJob | None = None
-        self._thread = JobThread(self._run)
+        self._thread = JobThread(self._run, on_start=reader.transfer.bind_thread)
 
     def start(self, plans: list[BlockPlan]) -> None:
         stream = _engine_stream() if self.reader.transfer.on_cuda else None
@@ -177,7 +179,8 @@ class LayerLoads:
                         if chunk.good:
                             made[k] = transfer.layer_scatter(chunk.good_ids, chunk.rows, row_ids=chunk.good,
                                                              after=job.stream)
-                    job.scatters = list(made.values())
+                            # Known at once: the engine orders after it even if a later one fails.
+                            job.scatters.append(made[k])
                     for i in range(transfer.num_layers):
                         for scatter in job.scatters:
                             scatter.layer(i)
@@ -205,11 +208,22 @@ class LayerLoads:
             for copy in job.copies:
                 copy.order_stream()
 
+    @staticmethod
+    def _order_after(job: _LayerJob) -> None:
+        # What the engine queues from now on (this step's saves, the next
+        # step) comes after every layer's copy, also after that of a layer
+        # whose attention never waited for it.
+        for scatter in job.scatters:
+            scatter.abort().order_stream()
+        for copy in job.copies:
+            copy.order_stream()
+
     def step_failures(self) -> set[int]:
         job = self._job
         if job is None:
             return set()
         job.done.wait()
+        self._order_after(job)
         return set(job.bad_block_ids)
 
     def finished(self) -> set[str] | None:
@@ -220,6 +234,7 @@ class LayerLoads:
         if job is None:
             return set()
         job.done.wait()
+        self._order_after(job)
         return set(job.bad_block_ids)
 
     def close(self) -> None:

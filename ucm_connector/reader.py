@@ -80,14 +80,16 @@ class BlockReader(BlockIO):
                     bad_keys.append(keys[i])
         return good, bad_keys
 
-    def read(self, plans: list[BlockPlan], *, scatter: bool = True, after=None
+    def read(self, plans: list[BlockPlan], *, scatter: bool = True, after=None, ordered: bool = True
              ) -> tuple[list[int], set[int], list[ReadChunk], list[Transfer]]:
         """Read the plans' blocks (a batch per pool's worth), check them and
         (``scatter``) copy the good ones into their pages, ordered after the
-        work queued on the stream ``after`` (CUDA).  Returns the block ids,
-        the bad ones, the chunks still holding rows (``scatter=False``: the
-        caller copies and releases them) and the issued copies.  Bad blocks
-        go to the stats and are deleted from the store."""
+        work queued on the stream ``after`` (CUDA; ``ordered``: and that
+        stream waits for them, see ``BlockTransfer.scatter_rows``).  Returns
+        the block ids, the bad ones, the chunks still holding rows
+        (``scatter=False``: the caller copies and releases them) and the
+        issued copies.  Bad blocks go to the stats and are deleted from the
+        store."""
         block_ids = [b for plan in plans for b in plan.block_ids]
         keys = keys_for_rank([k for plan in plans for k in plan.keys], self.tp_rank)
         if scatter and self.into_pages:
@@ -129,7 +131,8 @@ class BlockReader(BlockIO):
             copy = None
             try:
                 if good:
-                    copy = self.transfer.scatter_rows(chunk.good_ids, rows, row_ids=good, after=after)
+                    copy = self.transfer.scatter_rows(chunk.good_ids, rows, row_ids=good, after=after,
+                                                      ordered=ordered)
             finally:
                 rows.release(after=copy)
             if copy is not None:

@@ -90,7 +90,7 @@ class Saves(BlockIO):
         # Blocks whose load failed, this step and the one before.
         self._recent_failures: collections.deque[set[int]] = collections.deque([set(), set()], maxlen=2)
         # Jobs: (keys, rows, their copy, keys whose stored value is replaced).
-        self._writer = JobThread(self._write, name="ucm-save-writer")
+        self._writer = JobThread(self._write, name="ucm-save-writer", on_start=self.transfer.bind_thread)
         # On CPU, a store that writes a value from several buffers
         # (``writes_from_parts``: shm, a tier over shm) takes the blocks
         # straight from the pages, one copy instead of two (``_put_direct``).

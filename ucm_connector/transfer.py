@@ -181,6 +181,14 @@ class BlockTransfer:
     def on_cuda(self) -> bool:
         return self._cuda
 
+    def bind_thread(self) -> None:
+        """Make the calling thread's current CUDA device the caches' one.  A
+        new thread's is device 0: its first CUDA call (an event wait, a
+        copy) would otherwise open a context on GPU 0, which another rank
+        has filled (tensor parallelism)."""
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+
     @property
     def pages_contiguous(self) -> bool:
         """On CPU, every page is one contiguous run of bytes: ``page_parts``
@@ -214,12 +222,14 @@ class BlockTransfer:
 
     def scatter_rows(self, block_ids: Sequence[int], rows: HostRows,
                      row_ids: Sequence[int] | None = None,
-                     after: torch.cuda.Stream | None = None) -> Transfer:
+                     after: torch.cuda.Stream | None = None, ordered: bool = True) -> Transfer:
         """Copy the payload of row ``row_ids[i]`` (default: row i) into the
         pages of ``block_ids[i]``.  On CUDA it returns once issued: the
         copies start after the work already queued on ``after`` (default:
         the caller's current stream), and that stream waits for them to
-        finish; a forward pass queued on another stream needs
+        finish (``ordered=False``: it does not; for a caller that waits on
+        the host with ``synchronize()`` before any kernel reads the
+        pages); a forward pass queued on another stream needs
         ``order_stream``.  The rows may be reused after ``wait()`` (or
         ``rows.release(after=transfer)``)."""
         if row_ids is not None and len(row_ids) != len(block_ids):
@@ -229,7 +239,7 @@ class BlockTransfer:
         if not self._cuda:
             self.scatter(block_ids, rows.payload, row_ids=row_ids)
             return _DONE
-        return self._scatter_cuda(block_ids, rows, row_ids, after)
+        return self._scatter_cuda(block_ids, rows, row_ids, after, ordered)
 
     # -- copies through caller buffers --------------------------------------
 
@@ -438,7 +448,7 @@ class BlockTransfer:
         return Transfer(host_done, pages_read)
 
     def _scatter_cuda(self, block_ids: Sequence[int], rows: HostRows, row_ids: Sequence[int] | None,
-                      after: torch.cuda.Stream | None) -> Transfer:
+                      after: torch.cuda.Stream | None, ordered: bool = True) -> Transfer:
         pool = rows.pool
         ring = self._scatter_ring
         compute = after or torch.cuda.current_stream(self.device)
@@ -489,5 +499,6 @@ class BlockTransfer:
                     ring.drained[k].record(ring.kernel_stream)
                 ring.used[k] = True
             host_done, pages_written = ring.issued()
-        compute.wait_event(pages_written)
+        if ordered:
+            compute.wait_event(pages_written)
         return Transfer(host_done, pages_written)

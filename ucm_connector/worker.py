@@ -184,10 +184,20 @@ class UCMWorker:
     def wait_for_layer(self, layer_name: str) -> None:
         if self.loads is not None:
             if self.clock is None:
-                self.loads.wait_for_layer(self._layer_index.get(layer_name, 0))
+                self._wait_for_layer(layer_name)
                 return
             with self.clock.excluded():
-                self.loads.wait_for_layer(self._layer_index.get(layer_name, 0))
+                self._wait_for_layer(layer_name)
+
+    def _wait_for_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is not None:
+            self.loads.wait_for_layer(layer)
+            return
+        # A layer without a cache of its own (one that reads another
+        # layer's) or a name we do not know: wait for every layer.
+        for i in range(len(self._layer_index)):
+            self.loads.wait_for_layer(i)
 
     def save_layer(self, layer_name: str) -> None:
         """``save_kv_layer``: that layer's KV of the step is written."""
