@@ -401,6 +401,20 @@ def test_a_value_reused_while_a_batch_is_read_into_parts_is_a_miss_and_never_cal
         assert store.stats().extra["torn_reads"] == 1
 
 
+def _check_every_value(store, keys, buffers) -> int:
+    """Get ``keys`` both ways and check each value found: how many were found."""
+    hits = 0
+    for key, value in zip(keys, store.get(keys)):
+        if value is not None:
+            hits += 1
+            assert check_value(key, value), key
+    for key, buf, ok in zip(keys, buffers, store.get_into(keys, buffers)):
+        if ok:
+            hits += 1
+            assert check_value(key, buf.tobytes()), key
+    return hits
+
+
 def test_reader_never_gets_a_wrong_value_while_values_are_overwritten_and_evicted(shm):
     import numpy as np
 
@@ -428,14 +442,7 @@ def test_reader_never_gets_a_wrong_value_while_values_are_overwritten_and_evicte
         with open_store(url) as store:
             end = time.monotonic() + 4
             while time.monotonic() < end:
-                for key, value in zip(keys, store.get(keys)):
-                    if value is not None:
-                        hits += 1
-                        assert check_value(key, value), key
-                for key, buf, ok in zip(keys, buffers, store.get_into(keys, buffers)):
-                    if ok:
-                        hits += 1
-                        assert check_value(key, buf.tobytes()), key
+                hits += _check_every_value(store, keys, buffers)
             stats = store.stats()
         assert hits > 100
         assert stats.num_evictions > 0
@@ -492,14 +499,7 @@ def test_reader_never_gets_a_wrong_value_while_writers_put_into_reservations_del
             deadline = time.monotonic() + 120
             while any(writer.poll() is None for writer in writers):
                 assert time.monotonic() < deadline, "the writers did not finish"
-                for key, value in zip(keys, store.get(keys)):
-                    if value is not None:
-                        hits += 1
-                        assert check_value(key, value), key
-                for key, buf, ok in zip(keys, buffers, store.get_into(keys, buffers)):
-                    if ok:
-                        hits += 1
-                        assert check_value(key, buf.tobytes()), key
+                hits += _check_every_value(store, keys, buffers)
             outputs = [writer.communicate(timeout=30) for writer in writers]
         finally:
             for writer in writers:

@@ -47,6 +47,17 @@ def _worker(store, caches, mode="sync", events=False):
     return w
 
 
+def _saved(store, seed: int, n: int, device: str = "cpu"):
+    """Caches of ``seed`` whose blocks 0..n-1 were saved under ``_keys(n)``."""
+    src = _caches(seed, device)
+    saver = _worker(store, src)
+    keys = _keys(n)
+    saver.save([BlockPlan("r", list(range(n)), keys)])
+    assert saver.flush(10)
+    saver.close()
+    return src, keys
+
+
 def _keys(n: int) -> list[bytes]:
     return [bytes([i + 1]) * 16 + b"\0\0" for i in range(n)]
 
@@ -142,12 +153,7 @@ def test_a_layer_name_without_a_cache_of_its_own_waits_for_every_layers_copy(sto
     """A layer that reads another layer's cache (or a name the worker does
     not know) starts its attention only once every layer is loaded."""
     from ucm_connector import layer_copies
-    src = _caches(5, device)
-    saver = _worker(store, src)
-    keys = _keys(4)
-    saver.save([BlockPlan("r", [0, 1, 2, 3], keys)])
-    assert saver.flush(10)
-    saver.close()
+    src, keys = _saved(store, 5, 4, device)
     layer = layer_copies.LayerScatter.layer
 
     def slow_after_the_first(self, i):
@@ -174,12 +180,7 @@ def test_only_synchronous_loads_make_the_engines_stream_wait_for_their_copies(tm
     from ucm_connector.transfer import BlockTransfer
     store = open_store(f"disk://{tmp_path}/store")
     store.reads_into_parts = False          # loads go through host rows and scatter_rows
-    src = _caches(7)
-    saver = _worker(store, src)
-    keys = _keys(3)
-    saver.save([BlockPlan("r", [0, 1, 2], keys)])
-    assert saver.flush(10)
-    saver.close()
+    src, keys = _saved(store, 7, 3)
     scatter_rows = BlockTransfer.scatter_rows
     ordered = []
 
@@ -220,12 +221,7 @@ def test_a_job_thread_sets_itself_up_before_its_first_job_and_runs_jobs_if_that_
 
 @pytest.mark.parametrize("mode", ["sync", "async", "layer"])
 def test_a_bad_block_is_reported_dropped_and_the_others_loaded(store, mode, device):
-    src = _caches(3, device)
-    saver = _worker(store, src)
-    keys = _keys(4)
-    saver.save([BlockPlan("r", [0, 1, 2, 3], keys)])
-    assert saver.flush(10)
-    saver.close()
+    src, keys = _saved(store, 3, 4, device)
     value = bytearray(store.get([keys[2]])[0])
     value[blockfmt.HEADER_NBYTES + 5] ^= 0xFF
     store.delete([keys[2]])
