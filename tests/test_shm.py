@@ -188,6 +188,9 @@ def test_put_of_stored_key_keeps_value_unless_overwrite(shm):
         assert store.put([b"k"], [b"third"]) == [True]
         assert store.get([b"k"]) == [b"third"]
         assert store.stats().nbytes == len(b"third")
+        store.overwrite = False         # the attribute is the setting puts use
+        assert store.put([b"k"], [b"fourth"]) == [True]
+        assert store.get([b"k"]) == [b"third"]
 
 
 def test_gets_from_published_locations_are_counted_and_used_by_the_server(shm):

@@ -132,7 +132,6 @@ class ShmStore(KVStore):
         self.idle_timeout_s = idle_timeout_s
         self.lease_timeout_s = lease_timeout_s
         self.timeout_s = timeout_s
-        self.overwrite = overwrite
         self.prefault = prefault
         self.paths = Paths(name, os.path.abspath(runtime_dir) if runtime_dir else None)
         if len(self.paths.socket.encode()) > 100:
@@ -156,6 +155,15 @@ class ShmStore(KVStore):
         except (StoreUnavailableError, OSError) as exc:
             self.close()
             raise StoreOpenError(f"store '{self.url}': {exc}") from exc
+
+    @property
+    def overwrite(self) -> bool:
+        """Whether a put of a stored key replaces its value (the writer's setting)."""
+        return self._writer.overwrite
+
+    @overwrite.setter
+    def overwrite(self, value: bool) -> None:
+        self._writer.overwrite = value
 
     @classmethod
     def from_url(cls, url: str, mode: OpenMode | str = OpenMode.SERVE) -> "ShmStore":

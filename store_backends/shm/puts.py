@@ -142,13 +142,15 @@ class Writer:
             return self._put_reserved(held, seg, keys, srcs, sizes, before_value)
         return self._put_allocated(keys, srcs, sizes, before_value, held)
 
-    def _uses_frames(self) -> tuple[int, list[bytes]]:
-        """This client's gets since its last request, to ride along with a
-        put, so that the chunks it evicts are the least recently used."""
+    def _put_flags(self) -> tuple[int, list[bytes]]:
+        """The flags of a put's ALLOC or DECLARE, and the frames of this
+        client's gets since its last request, to ride along with it so
+        that the chunks it evicts are the least recently used."""
+        flags = int(Flag.OVERWRITE) if self.overwrite else 0
         uses = self._uses.take(with_late=False)
         if uses is None:
-            return 0, []
-        return int(Flag.TOUCHED), Uses.frames(*uses[:3])
+            return flags, []
+        return flags | Flag.TOUCHED, Uses.frames(*uses[:3])
 
     def _reserve_frames(self, seg: Segments, sizes: array.array) -> tuple[int, list[bytes]]:
         if not seg.reserve_use_s:
@@ -157,9 +159,7 @@ class Writer:
 
     def _put_allocated(self, keys, srcs, sizes, before_value, held: Reservation | None) -> list[bool]:
         key_len, key_frames = pack_keys(keys)
-        flags, touch = self._uses_frames()
-        if self.overwrite:
-            flags |= Flag.OVERWRITE
+        flags, touch = self._put_flags()
         frames = [*key_frames, sizes.tobytes(), *touch]
         if held is not None:
             # Given back here, not by a request of its own; the server
@@ -192,9 +192,7 @@ class Writer:
     def _put_reserved(self, held: Reservation, seg: Segments, keys, srcs, sizes, before_value) -> list[bool]:
         deadline = self._conn.deadline()
         key_len, key_frames = pack_keys(keys)
-        flags, touch = self._uses_frames()
-        if self.overwrite:
-            flags |= Flag.OVERWRITE
+        flags, touch = self._put_flags()
         try:
             # Not answered: the server names the keys while the values are
             # copied, and answers the COMMIT after it.
