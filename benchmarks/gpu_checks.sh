@@ -10,6 +10,12 @@
 # limit can take them a few at a time):
 #   tests     the CUDA cases of the transfer, worker, checksum and sparse
 #             selection tests (pytest.txt)
+#   sanitize  the same CUDA cases under torch's CUDA sanitizer
+#             (TORCH_CUDA_SANITIZER=1), which fails a test whose kernels on
+#             two streams touch one tensor with no event or wait between
+#             them (sanitize.txt); it sees torch ops only, not the copies
+#             ucm_connector/cudart.py makes through ctypes, nor Triton's
+#             kernels
 #   worker    gpu_worker_bench.py: the worker's loads and saves against raw
 #             copies, and saves inside a stand-in forward pass (worker.*)
 #   checksum  checksum_bench.py: xxh3 of sealed rows on 1..8 threads (checksum.*)
@@ -19,9 +25,9 @@
 #             layout against raw pinned copies (transfer.*)
 # Each part's output goes to OUT; its exit status is printed.
 set -u
-OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests worker checksum sparse transfer]}
+OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests sanitize worker checksum sparse transfer]}
 shift
-PARTS=${*:-tests worker checksum sparse transfer}
+PARTS=${*:-tests sanitize worker checksum sparse transfer}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
@@ -30,6 +36,9 @@ for part in $PARTS; do
     case $part in
         tests)    python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_worker.py \
                       tests/test_checksums.py tests/test_sparse_select.py > "$OUT/pytest.txt" 2>&1 ;;
+        sanitize) TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -k "cuda and not cpu_tensors" \
+                      tests/test_transfer.py tests/test_worker.py tests/test_checksums.py tests/test_sparse_select.py \
+                      > "$OUT/sanitize.txt" 2>&1 ;;
         worker)   python3 benchmarks/gpu_worker_bench.py --json "$OUT/worker.json" > "$OUT/worker.txt" 2>&1 ;;
         checksum) python3 benchmarks/checksum_bench.py --blocks 128 --block-mib 2 --json "$OUT/checksum.json" \
                       > "$OUT/checksum.txt" 2>&1 ;;
@@ -37,7 +46,7 @@ for part in $PARTS; do
                       > "$OUT/sparse.txt" 2>&1 ;;
         transfer) python3 benchmarks/gpu_bench.py --big-cache-gib 0 --no-sparse --json "$OUT/transfer.json" \
                       > "$OUT/transfer.txt" 2>&1 ;;
-        *)        echo "unknown part '$part' (known: tests worker checksum sparse transfer)" >&2; exit 2 ;;
+        *)        echo "unknown part '$part' (known: tests sanitize worker checksum sparse transfer)" >&2; exit 2 ;;
     esac
     echo "$part: exit status $?"
 done
