@@ -8,9 +8,12 @@
 * ``LayerLoads`` (``load_layerwise``): read on the loader thread, copied
   layer by layer, so layer i's attention waits only for layer i's pages.
 
-Every way answers the same questions (start, wait for a layer, this step's
-failures, what finished, the errors to report), so the worker reads the
-same for each.  This module decides when and on which thread blocks are
+Every way answers the same questions (a step begins, start, wait for a
+layer, this step's failures, what finished, the errors to report), so the
+worker reads the same for each.  This step's failures and the errors to
+report are kept apart: vLLM may take the errors before the step's saves
+(with a speculator it calls ``wait_for_save`` after the draft model), and
+the saves must still see them.  This module decides when and on which thread blocks are
 read; reading, checking and copying them is ``BlockReader``'s.  It must not
 import vLLM.
 """
@@ -46,19 +49,25 @@ class SyncLoads:
     def __init__(self, reader: BlockReader) -> None:
         self.reader = reader
         self._errors: set[int] = set()
+        self._step: set[int] = set()
+
+    def begin_step(self) -> None:
+        self._step = set()
 
     def start(self, plans: list[BlockPlan]) -> None:
         t0 = time.perf_counter()
         _, bad, _, _ = self.reader.read(plans)
         self._errors |= bad
+        self._step |= bad
         self.reader.stats.add(load_seconds=time.perf_counter() - t0)
 
     def wait_for_layer(self, layer: int) -> None:
         pass
 
     def step_failures(self) -> set[int]:
-        """Blocks whose load failed in this step, known before its saves."""
-        return set(self._errors)
+        """Blocks whose load failed in this step, known before its saves
+        (taking the errors to report does not clear them)."""
+        return set(self._step)
 
     def finished(self) -> set[str] | None:
         return None
@@ -85,6 +94,9 @@ class AsyncLoads:
         self._recv_errors: set[int] = set()
         self._errors: set[int] = set()
         self._thread = JobThread(self._run, on_start=reader.transfer.bind_thread)
+
+    def begin_step(self) -> None:
+        pass
 
     def start(self, plans: list[BlockPlan]) -> None:
         stream = _engine_stream() if self.reader.transfer.on_cuda else None
@@ -154,12 +166,16 @@ class LayerLoads:
 
     def __init__(self, reader: BlockReader) -> None:
         self.reader = reader
-        self._job: _LayerJob | None = None
+        self._job: _LayerJob | None = None       # its errors not yet reported
+        self._step_job: _LayerJob | None = None  # this step's
         self._thread = JobThread(self._run, on_start=reader.transfer.bind_thread)
+
+    def begin_step(self) -> None:
+        self._step_job = None
 
     def start(self, plans: list[BlockPlan]) -> None:
         stream = _engine_stream() if self.reader.transfer.on_cuda else None
-        self._job = _LayerJob(plans, self.reader.transfer.num_layers, stream)
+        self._job = self._step_job = _LayerJob(plans, self.reader.transfer.num_layers, stream)
         self._thread.put(self._job)
 
     def _run(self, job: _LayerJob) -> None:
@@ -200,7 +216,7 @@ class LayerLoads:
         self.reader.stats.add(load_seconds=time.perf_counter() - t0)
 
     def wait_for_layer(self, layer: int) -> None:
-        job = self._job
+        job = self._step_job
         if job is not None:
             job.layer_done[layer].wait()
             for scatter in job.scatters:
@@ -219,7 +235,7 @@ class LayerLoads:
             copy.order_stream()
 
     def step_failures(self) -> set[int]:
-        job = self._job
+        job = self._step_job
         if job is None:
             return set()
         job.done.wait()

@@ -168,6 +168,8 @@ class UCMWorker:
             self.clock.begin(num_tokens, loads_first=loads_first)
         if probes and self.prober is not None:
             self.prober.probe(probes)
+        if self.loads is not None:
+            self.loads.begin_step()
         if self.saves is not None and self.saves.layerwise:
             self.saves.begin(saves or [])
 
