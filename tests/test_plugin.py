@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import pytest
+
 
 def test_the_entry_point_is_declared():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -42,3 +44,68 @@ def test_the_module_path_form_resolves_the_same_class():
                               kv_connector_module_path="ucm_connector.connector")
     cls = KVConnectorFactory.get_connector_class(config)
     assert cls.__name__ == "UCMConnector"
+
+
+def test_layerwise_loads_and_sparse_attention_ask_vllm_for_piecewise_cuda_graphs(tmp_path):
+    """vLLM (0.33 on) asks the connector's class, with the extra config,
+    before it settles its CUDA graph mode, the way its config does it: the
+    factory's class, then the classmethod.  A config file counts; a bad
+    config answers False (the constructor reports it)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from ucm_connector.plugin import register
+
+    register()
+
+    def asks(extra):
+        config = KVTransferConfig(kv_connector="UCMConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+        return KVConnectorFactory.get_connector_class(config).requires_piecewise_for_cudagraph(
+            config.kv_connector_extra_config)
+
+    from_file = tmp_path / "ucm.yaml"
+    from_file.write_text("load_layerwise: true\n")
+    assert asks({"load_layerwise": True}) is True
+    assert asks({"sparse": {"method": "block_topk", "keep_ratio": 0.25}}) is True
+    assert asks({"config_file": str(from_file)}) is True
+    assert asks({}) is False
+    assert asks({"save_layerwise": True}) is False     # a replay's layers are copied after the pass
+    assert asks({"load_kv_async": True}) is False
+    assert asks({"load_layerwise": "sometimes"}) is False
+
+
+def test_with_full_cuda_graphs_layerwise_loads_load_before_the_step_and_sparse_refuses(monkeypatch, caplog):
+    """On CUDA, an engine that replays full CUDA graphs (a vLLM that never
+    asked, or a mode set afterwards) skips the layer waits: layer-by-layer
+    loads become loads before the step, with a warning that says what to
+    set; sparse attention refuses to start.  Piecewise graphs, eager mode
+    and the CPU keep the configured way."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from ucm_connector.config import LoadMode, UCMConfig
+    from ucm_connector.connector import worker_load_mode
+    from ucm_connector.plugin import _refuse_full_cuda_graphs
+
+    def engine(mode):
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+
+    layerwise = UCMConfig.from_extra_config({"load_layerwise": True})
+    full = engine(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert worker_load_mode(layerwise, full) is LoadMode.LAYER          # this CPU
+    _refuse_full_cuda_graphs(full)
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
+        caplog.clear()
+        assert worker_load_mode(layerwise, engine(mode)) is LoadMode.SYNC
+        assert f"cudagraph_mode {mode.name}" in caplog.text and '"cudagraph_mode": "PIECEWISE"' in caplog.text
+        with pytest.raises(RuntimeError, match="outside CUDA graphs"):
+            _refuse_full_cuda_graphs(engine(mode))
+    for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
+        assert worker_load_mode(layerwise, engine(mode)) is LoadMode.LAYER
+        _refuse_full_cuda_graphs(engine(mode))
+    assert worker_load_mode(UCMConfig.from_extra_config({"load_kv_async": True}), full) is LoadMode.ASYNC
+    assert worker_load_mode(UCMConfig.from_extra_config({}), full) is LoadMode.SYNC

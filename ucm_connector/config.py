@@ -141,7 +141,9 @@ OPTIONS: tuple[Option, ...] = (
            _bool),
     Option("load_layerwise", "bool", False,
            "Load hits layer by layer while the forward pass runs: layer i's attention waits "
-           "only for layer i's pages. Not together with load_kv_async.",
+           "only for layer i's pages. Not together with load_kv_async. On CUDA it needs piecewise CUDA "
+           "graphs (vLLM 0.33 and later switch to them by themselves); an engine that replays full ones "
+           "loads before the step instead, with a warning.",
            _bool),
     Option("save_layerwise", "bool", False,
            "Gather each layer's new blocks for saving as soon as that layer's attention is done, so that "

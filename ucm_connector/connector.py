@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from store_backends import StoreError, open_store, pause_unavailable
 
 from .adapters import AdapterIdentities
-from .config import LoadMode, UCMConfig
+from .config import LoadMode, UCMConfig, UCMConfigError
 from .events import EventTracker, OutcomeLog, UCMKVEvents, events_enabled
 from .hashing import BlockHasher
 from .layout import lora_engine_settings, namespace_for
@@ -125,7 +125,39 @@ def _open_store(config: UCMConfig, stats: StatsCollector | None = None):
     return pause_unavailable(store, None if stats is None else (lambda: stats.add(store_pauses=1)))
 
 
+def worker_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
+    """The configured way of loading, unless the engine replays full CUDA
+    graphs: those replays skip ``wait_for_layer_load``, so attention would
+    read pages a layer-by-layer load has not written yet.  Such an engine
+    (a vLLM that does not ask ``requires_piecewise_for_cudagraph``, or a
+    mode set after it asked) loads before the step instead."""
+    from .plugin import full_cuda_graphs
+
+    mode = config.load_mode
+    if mode is LoadMode.LAYER and full_cuda_graphs(vllm_config):
+        logger.warning(
+            "ucm-connector: load_layerwise needs attention to run outside CUDA graphs, and this engine replays "
+            "full ones (cudagraph_mode %s); loading each step's blocks before its forward pass instead. To load "
+            "layer by layer, start vLLM with --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'",
+            getattr(getattr(vllm_config.compilation_config, "cudagraph_mode", None), "name", "?"))
+        return LoadMode.SYNC
+    return mode
+
+
 class UCMConnector(KVConnectorBase_V1):
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Asked by vLLM (0.33 on) before it settles its CUDA graph mode:
+        layer-by-layer loads and sparse attention run Python in every
+        attention call, which a full CUDA graph replays without; vLLM then
+        captures pieces around attention instead.  A config that does not
+        parse answers False: the connector's constructor reports it."""
+        try:
+            config = UCMConfig.from_extra_config(extra_config)
+        except UCMConfigError:
+            return False
+        return config.load_mode is LoadMode.LAYER or bool(config.sparse)
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
@@ -187,7 +219,7 @@ class UCMConnector(KVConnectorBase_V1):
                 num_blocks=num_blocks, max_pending_nbytes=self.config.max_pending_save_mib << 20,
                 stats=self.stats,
                 blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size,
-                load_mode=self.config.load_mode, events=OutcomeLog(enabled=with_events),
+                load_mode=worker_load_mode(self.config, vllm_config), events=OutcomeLog(enabled=with_events),
                 share_failures=_tp_union if namespace.tp_size > 1 else None,
                 observer=LoadObserver() if auto else None,
                 save_layerwise=self.config.save_layerwise and self._save_enabled)

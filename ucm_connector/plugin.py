@@ -55,16 +55,25 @@ def apply_sparse(sparse, vllm_config=None):
 _sparse_option: dict | None = None
 
 
-def _refuse_full_cuda_graphs(vllm_config) -> None:
-    """A captured CUDA graph replays attention without running Python: the
-    method would neither see keys nor choose blocks on those steps."""
+def full_cuda_graphs(vllm_config) -> bool:
+    """Whether this engine replays whole forward passes, attention included,
+    from CUDA graphs (vLLM's FULL modes, on CUDA): on those steps no Python
+    runs in an attention call, so neither a layer's load wait nor a sparse
+    method is reached.  vLLM settles the mode before it builds connectors
+    (from 0.33 asking ``UCMConnector.requires_piecewise_for_cudagraph``)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
-        return
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        return False
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     has_full = getattr(mode, "has_full_cudagraphs", None)
-    if callable(has_full) and has_full():
+    return bool(callable(has_full) and has_full())
+
+
+def _refuse_full_cuda_graphs(vllm_config) -> None:
+    """A captured CUDA graph replays attention without running Python: the
+    method would neither see keys nor choose blocks on those steps."""
+    if full_cuda_graphs(vllm_config):
         raise RuntimeError(
             "ucm-connector sparse attention needs attention to run outside CUDA graphs: start vLLM "
             "with --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (or --enforce-eager)")
