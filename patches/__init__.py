@@ -11,7 +11,8 @@ patch, and patches nothing: never a half-patched engine.
 
 Patches, one module per vLLM area:
 
-* ``model_runner.execute_model``: the step hook (``model_runner.py``);
+* ``model_runner.execute_model``, and on CUDA ``model_runner_v2.execute_model``
+  (vLLM's second model runner): the step hook (``model_runner.py``);
 * ``cpu_attention.forward`` on the CPU platform, ``flash_attention.forward``
   on CUDA: the layer call hook (``attention.py``).
 
@@ -46,12 +47,12 @@ def patches_for_platform() -> list[Patch]:
     from vllm.platforms import current_platform
 
     from .attention import CPU_FORWARD, FLASH_ATTN_FORWARD
-    from .model_runner import EXECUTE_MODEL
+    from .model_runner import EXECUTE_MODEL, EXECUTE_MODEL_V2
 
     if current_platform.is_cpu():
         return [EXECUTE_MODEL, CPU_FORWARD]
     if current_platform.is_cuda():
-        return [EXECUTE_MODEL, FLASH_ATTN_FORWARD]
+        return [EXECUTE_MODEL, EXECUTE_MODEL_V2, FLASH_ATTN_FORWARD]
     raise PatchError(f"sparse attention patches support the CPU and CUDA platforms; "
                      f"this vLLM {vllm_version()} runs on {current_platform.device_name!r}")
 

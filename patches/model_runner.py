@@ -1,10 +1,13 @@
-"""Patch of the V1 model runner's ``execute_model``: the step hook.
+"""Patches of the model runners' ``execute_model``: the step hook.
 
 Before each step's forward, the method is told which requests start (with
 the blocks they found already filled: prefix-cache hits and KV-connector
 loads), which finish, and which blocks vLLM copies, as a ``StepInfo``.
-``CPUModelRunner`` inherits ``execute_model`` from ``GPUModelRunner``, so one
-patch covers both.
+``CPUModelRunner`` inherits ``execute_model`` from the V1 ``GPUModelRunner``,
+so one patch covers both.  On CUDA, vLLM (0.32 on) builds its second model
+runner (``vllm.v1.worker.gpu.model_runner``, not a subclass of the first)
+unless told otherwise or a feature needs the first, so that one is patched
+too; its dummy and profile runs (``dummy_run=True``) are no steps.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def step_info(runner: Any, scheduler_output: Any):
 def _make_execute_model(original: Callable) -> Callable:
     def execute_model(self, scheduler_output, *args, **kwargs):
         hooks = _core.hooks
-        if hooks is not None:
+        if hooks is not None and not kwargs.get("dummy_run"):
             _core.step_index += 1
             hooks.begin_step(step_info(self, scheduler_output))
         return original(self, scheduler_output, *args, **kwargs)
@@ -55,7 +58,7 @@ def _make_execute_model(original: Callable) -> Callable:
     return execute_model
 
 
-def _check(owner: Any) -> list[str]:
+def _check_output() -> list[str]:
     from vllm.v1.core.sched import output
 
     problems = fields_missing(output.SchedulerOutput, (
@@ -63,6 +66,11 @@ def _check(owner: Any) -> list[str]:
     problems += fields_missing(output.NewRequestData, ("req_id", "block_ids", "num_computed_tokens"))
     problems += fields_missing(output.CachedRequestData, (
         "req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"))
+    return problems
+
+
+def _check(owner: Any) -> list[str]:
+    problems = _check_output()
     try:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     except ImportError:
@@ -81,4 +89,15 @@ EXECUTE_MODEL = Patch(
     params=("self", "scheduler_output"),
     make=_make_execute_model,
     check_more=_check,
+)
+
+
+EXECUTE_MODEL_V2 = Patch(
+    name="model_runner_v2.execute_model",
+    module="vllm.v1.worker.gpu.model_runner",
+    owner="GPUModelRunner",
+    attr="execute_model",
+    params=("self", "scheduler_output"),
+    make=_make_execute_model,
+    check_more=lambda owner: _check_output(),
 )

@@ -464,3 +464,43 @@ def test_the_patched_forward_keeps_the_original_signature(clean_patches):
     before = inspect.signature(impl.forward)
     patches.apply(BlockTopK.from_config({}))
     assert inspect.signature(impl.forward) == before     # __wrapped__ is followed
+
+
+def test_on_cuda_the_step_hook_reaches_vllms_second_model_runner_too(clean_patches, monkeypatch):
+    """vLLM builds its second model runner on CUDA by default (not a
+    subclass of the first): its ``execute_model`` is patched as well, fits
+    this vLLM, and tells the method of each real step but not of a dummy or
+    profile run."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from patches import model_runner
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    targets = {p.target for p in patches.patches_for_platform()}
+    assert {"vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
+            "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model"} <= targets
+    assert patches.check([model_runner.EXECUTE_MODEL_V2]) == []
+
+    steps, ran = [], []
+
+    class Hooks:
+        def begin_step(self, info):
+            steps.append(info)
+
+    def original(self, scheduler_output, *args, **kwargs):
+        ran.append(kwargs.get("dummy_run", False))
+        return "output"
+
+    execute = model_runner._make_execute_model(original)
+    runner = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+    output = SchedulerOutput.make_empty()
+    output.finished_req_ids = {"a"}
+    monkeypatch.setattr(patches._core, "hooks", Hooks())
+    assert execute(runner, output) == "output"
+    assert execute(runner, SchedulerOutput.make_empty(), dummy_run=True) == "output"
+    assert ran == [False, True]
+    assert len(steps) == 1 and steps[0].finished_req_ids == {"a"} and steps[0].block_size == 16
