@@ -34,7 +34,7 @@ from . import _core
 from ._core import Patch, PatchError, vllm_version
 
 __all__ = ["PatchError", "apply", "revert", "applied", "active_hooks", "patches_for_platform",
-           "check", "vllm_version", "apply_connector_patches"]
+           "check", "vllm_version", "apply_connector_patches", "layers_not_reached"]
 
 logger = logging.getLogger("vllm.ucm_connector.patches")
 _lock = threading.Lock()
@@ -120,6 +120,22 @@ def applied() -> bool:
 
 def active_hooks() -> Any:
     return _core.hooks
+
+
+def layers_not_reached(forward_context: dict[str, Any]) -> dict[str, str]:
+    """The attention layers of a loaded model (vLLM's static forward
+    context: layer name -> layer) whose backend's ``forward`` the layer call
+    hook does not reach, by name, with their backend's class name: another
+    backend (FlashInfer, an MLA one, Triton) or a subclass of a patched one
+    that brings its own ``forward``.  Those layers stay dense."""
+    missing = {}
+    for name, layer in forward_context.items():
+        impl = getattr(layer, "impl", None)
+        if impl is None:
+            continue
+        if getattr(type(impl).forward, "__ucm_patch__", None) is None:
+            missing[name] = type(impl).__name__
+    return missing
 
 
 def apply_connector_patches() -> bool:

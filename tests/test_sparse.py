@@ -504,3 +504,33 @@ def test_on_cuda_the_step_hook_reaches_vllms_second_model_runner_too(clean_patch
     assert execute(runner, SchedulerOutput.make_empty(), dummy_run=True) == "output"
     assert ran == [False, True]
     assert len(steps) == 1 and steps[0].finished_req_ids == {"a"} and steps[0].block_size == 16
+
+
+def test_layers_whose_backend_the_hook_does_not_reach_are_named_in_a_warning(clean_patches, caplog):
+    """A layer whose backend is not patched (another backend, or a subclass
+    with its own forward) stays dense: the warning says how many, which
+    backend, and what to start vLLM with."""
+    from types import SimpleNamespace
+
+    from ucm_connector.plugin import warn_of_dense_layers
+
+    impl, _ = _targets()
+
+    class OwnForward(impl):
+        def forward(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    def layer(cls):
+        return SimpleNamespace(impl=cls.__new__(cls))
+
+    context = {"model.layers.0.self_attn.attn": layer(impl), "model.layers.1.self_attn.attn": layer(OwnForward),
+               "model.layers.2.mixer": SimpleNamespace()}
+    engine = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context))
+    assert warn_of_dense_layers(engine) == {} and not caplog.text       # nothing patched: dense by choice
+    patches.apply(BlockTopK.from_config({}))
+    assert warn_of_dense_layers(engine) == {"model.layers.1.self_attn.attn": "OwnForward"}
+    assert "does not reach 1 of 2 attention layers" in caplog.text and "(OwnForward)" in caplog.text
+    assert "--attention-backend FLASH_ATTN" in caplog.text
+    caplog.clear()
+    del context["model.layers.1.self_attn.attn"]
+    assert warn_of_dense_layers(engine) == {} and not caplog.text

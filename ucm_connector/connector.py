@@ -232,6 +232,10 @@ class UCMConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
+        if self.config.sparse:
+            from .plugin import warn_of_dense_layers
+
+            warn_of_dense_layers(getattr(self, "_vllm_config", None))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -7,6 +7,10 @@ core, each worker), so registering must be cheap and harmless to repeat.
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger("vllm.ucm_connector.plugin")
+
 CONNECTOR_NAME = "UCMConnector"
 
 
@@ -53,6 +57,26 @@ def apply_sparse(sparse, vllm_config=None):
 
 
 _sparse_option: dict | None = None
+
+
+def warn_of_dense_layers(vllm_config) -> dict[str, str]:
+    """Once the model is loaded: warn where a configured sparse method does
+    not reach some attention layers (their backend is not patched), which
+    then stay dense.  Returns those layers (name -> backend class)."""
+    import patches
+
+    if not patches.applied():
+        return {}
+    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    missing = patches.layers_not_reached(context)
+    if missing:
+        backends = ", ".join(sorted(set(missing.values())))
+        logger.warning(
+            "ucm-connector: sparse attention does not reach %d of %d attention layers, which stay dense: "
+            "their backend (%s) is not one it patches (CPU attention; FlashAttention on CUDA). On a GPU, "
+            "start vLLM with --attention-backend FLASH_ATTN to thin them", len(missing),
+            sum(1 for layer in context.values() if getattr(layer, "impl", None) is not None), backends)
+    return missing
 
 
 def full_cuda_graphs(vllm_config) -> bool:
