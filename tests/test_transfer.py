@@ -465,6 +465,153 @@ def test_a_layer_gather_sees_what_each_layer_held_when_it_was_told():
     assert rows.payload[0].tobytes() == want
 
 
+# -- the CUDA copies' issue code, on CPU tensors with logged streams ------------
+
+
+class _LoggedStream:
+    """Stands in for a CUDA stream (there is no GPU here): torch's kernels
+    run at once on CPU tensors, and what a real stream would be asked to do
+    is logged, so a test can read the ordering the code asks for."""
+
+    cuda_stream = 0
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for stream", other.name))
+
+    def wait_event(self, event):
+        self.log.append((self.name, "waits for", event.name))
+
+    def synchronize(self):
+        self.log.append((self.name, "synchronized", None))
+
+
+@pytest.fixture
+def logged_streams(monkeypatch):
+    """torch.cuda's streams and events replaced by logged ones; the log."""
+    import contextlib
+    import itertools
+
+    log, names, count = [], iter(["kernel", "copy"] * 8), itertools.count()
+    compute = _LoggedStream(log, "compute")
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            self.name = f"event{next(count)}"
+
+        def record(self, stream=None):
+            log.append((stream.name, "records", self.name))
+
+        def synchronize(self):
+            log.append((self.name, "synchronized", None))
+
+        def query(self):
+            return True
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _LoggedStream(log, next(names)))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    return log
+
+
+def _cuda_path(caches, staging_nbytes):
+    """A BlockTransfer over CPU caches that takes its CUDA code path (two
+    staging slots of half ``staging_nbytes`` each way), and a row pool."""
+    from ucm_connector.rows import RowPool
+    from ucm_connector.staging import StagingRing, round_up
+
+    transfer = BlockTransfer(caches, num_blocks=10)
+    transfer._cuda = True
+    slot = round_up(max(staging_nbytes // 2, 1), 256)
+    transfer._gather_ring = StagingRing(torch.device("cpu"), slot, 2)
+    transfer._scatter_ring = StagingRing(torch.device("cpu"), slot, 2)
+    transfer._views = {}
+    row = HEADER + transfer.payload_nbytes
+    return transfer, RowPool(row, HEADER, transfer.payload_nbytes, 16 * row, pinned=False)
+
+
+def _zeroed(caches):
+    for view in caches.values():
+        view.view(torch.uint8).zero_() if view.dtype != torch.uint8 else view.zero_()
+    return caches
+
+
+@pytest.mark.parametrize("staging", [1, 1 << 20], ids=["a-row-per-chunk", "one-chunk"])
+@pytest.mark.parametrize("build", list(_layered_cases()))
+def test_the_cuda_gather_and_scatter_code_moves_the_right_bytes_on_cpu_tensors(build, staging, logged_streams):
+    """The CUDA gather and scatter (staging slots, word views, chunks, rows
+    picked out of a chunk), run on CPU tensors: byte for byte what the
+    page-by-page code copies, for every layout, twice in a row."""
+    src = build("cpu")
+    want = _gather(BlockTransfer(src, num_blocks=10, page_by_page=True), [7, 0, 3, 9, 1])
+    transfer, pool = _cuda_path(src, staging)
+    for _ in range(2):
+        rows = pool.take(5)
+        transfer.gather_rows([7, 0, 3, 9, 1], rows)
+        assert np.array_equal(rows.payload, want)
+        rows.release()
+
+    rows = pool.take(5)
+    rows.payload[:] = want
+    dst, expected = _zeroed(build("cpu")), _zeroed(build("cpu"))
+    BlockTransfer(expected, num_blocks=10).scatter([4, 6, 5], want, row_ids=[0, 2, 3])
+    into, _ = _cuda_path(dst, staging)
+    into.scatter_rows([4, 6, 5], rows, row_ids=[0, 2, 3])
+    into.scatter_rows([2], rows, row_ids=[4])
+    BlockTransfer(expected, num_blocks=10).scatter([2], want, row_ids=[4])
+    for name in dst:
+        assert _bytes(dst[name]) == _bytes(expected[name]), name
+
+
+def test_back_to_back_cuda_copies_take_turns_with_the_staging_slots_on_cpu_tensors(logged_streams):
+    """A save comes in parts of one slot's worth each: the next part goes to
+    the other slot, so its index kernel does not wait for the DMA of the
+    part just before (and the compute stream behind it)."""
+    _, src = _vllm("LBNHC", "cpu")
+    transfer, pool = _cuda_path(src, 1 << 20)
+    ring = transfer._gather_ring
+    rows = pool.take(2)
+    for part in range(3):
+        transfer.gather_rows([part, part + 3], rows)
+    waits = [entry[2] for entry in logged_streams if entry[:2] == ("kernel", "waits for")]
+    assert waits == [ring.drained[0].name]        # only the third part waits, for the first's DMA
+
+
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_a_cuda_copy_that_fails_half_way_waits_for_what_it_issued_on_cpu_tensors(direction, logged_streams):
+    """Chunk 2 of 3 fails to issue: before the error reaches the caller
+    (which gives the host rows back and counts the blocks failed), the host
+    waits for both side streams, where chunk 1's DMA still reads the rows
+    and its kernel still writes pages.  The next copy starts at a fresh slot."""
+    _, src = _vllm("LBNHC", "cpu")
+    transfer, pool = _cuda_path(src, 1)          # a row per chunk
+    ring = transfer._gather_ring if direction == "gather" else transfer._scatter_ring
+    real_chunk, calls = ring.chunk, []
+
+    def chunk(*args, **kwargs):
+        calls.append(args[0])                     # the slot
+        if len(calls) == 2:
+            logged_streams.append(("test", "raises", None))
+            raise RuntimeError("CUDA error: out of memory")
+        return real_chunk(*args, **kwargs)
+
+    ring.chunk = chunk
+    rows = pool.take(3)
+    copy = transfer.gather_rows if direction == "gather" else transfer.scatter_rows
+    with pytest.raises(RuntimeError, match="out of memory"):
+        copy([1, 2, 3], rows)
+    after = logged_streams[logged_streams.index(("test", "raises", None)):]
+    assert ("copy", "synchronized", None) in after and ("kernel", "synchronized", None) in after
+    assert calls == [0, 1]
+    copy([1], rows)
+    assert calls == [0, 1, 1]                      # three chunks were planned: slot 1 is next
+
+
 # -- CUDA ordering -------------------------------------------------------------
 
 

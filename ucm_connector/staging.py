@@ -45,6 +45,9 @@ class StagingRing:
         self.filled = [torch.cuda.Event() for _ in range(slots)]
         self.drained = [torch.cuda.Event() for _ in range(slots)]
         self.used = [False] * slots
+        #: The slot the next copy starts at: copies go round the slots, so a
+        #: copy of one slot's worth does not wait for the one just before.
+        self.next = 0
         self.lock = threading.Lock()
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
 
@@ -89,6 +92,25 @@ class StagingRing:
         self.buffer = torch.empty(self.slot_nbytes * self.slots, dtype=torch.uint8, device=self.device)
         self.kernel_stream.wait_stream(current)
         self.copy_stream.wait_stream(current)
+
+    def slot(self, chunk: int) -> int:
+        """The slot of this copy's ``chunk``-th chunk."""
+        return (self.next + chunk) % self.slots
+
+    def done_with(self, chunks: int) -> None:
+        """A copy issued ``chunks`` chunks: the next one starts after them."""
+        self.next = (self.next + chunks) % self.slots
+
+    def drain(self) -> None:
+        """Wait on the host for everything queued on both side streams: a
+        copy that failed half-way must not hand back host rows, nor leave
+        page writes unordered, while chunks it issued still run.  A
+        device error here is not raised over the one being handled."""
+        try:
+            self.copy_stream.synchronize()
+            self.kernel_stream.synchronize()
+        except Exception:
+            pass
 
     def issued(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """``(host_done, pages_done)``: events behind all that is queued so

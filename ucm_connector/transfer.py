@@ -422,25 +422,32 @@ class BlockTransfer:
             ids = ids_on_device(self.device, block_ids, ring.kernel_stream)
             # The pages were just written by kernels on the compute stream.
             ring.kernel_stream.wait_stream(compute)
-            for chunk, lo in enumerate(range(0, n, per_slot)):
-                hi = min(n, lo + per_slot)
-                k = chunk % ring.slots
-                as_bytes, as_words, outs = ring.chunk(k, hi - lo, word, pool, self._segments)
-                if ring.used[k]:
-                    ring.kernel_stream.wait_event(ring.drained[k])
-                chunk_ids = ids[lo:hi]
-                with torch.cuda.stream(ring.kernel_stream):
-                    for source, out in zip(sources, outs):
-                        if self._gather_in_place:
-                            torch.index_select(source, 0, chunk_ids, out=out)
-                        else:
-                            out.copy_(source.index_select(0, chunk_ids))
-                    ring.filled[k].record(ring.kernel_stream)
-                ring.copy_stream.wait_event(ring.filled[k])
-                with torch.cuda.stream(ring.copy_stream):
-                    rows.tensor[lo:hi].copy_(as_bytes, non_blocking=True)
-                    ring.drained[k].record(ring.copy_stream)
-                ring.used[k] = True
+            starts = range(0, n, per_slot)
+            try:
+                for chunk, lo in enumerate(starts):
+                    hi = min(n, lo + per_slot)
+                    k = ring.slot(chunk)
+                    as_bytes, as_words, outs = ring.chunk(k, hi - lo, word, pool, self._segments)
+                    if ring.used[k]:
+                        ring.kernel_stream.wait_event(ring.drained[k])
+                    chunk_ids = ids[lo:hi]
+                    with torch.cuda.stream(ring.kernel_stream):
+                        for source, out in zip(sources, outs):
+                            if self._gather_in_place:
+                                torch.index_select(source, 0, chunk_ids, out=out)
+                            else:
+                                out.copy_(source.index_select(0, chunk_ids))
+                        ring.filled[k].record(ring.kernel_stream)
+                    ring.copy_stream.wait_event(ring.filled[k])
+                    with torch.cuda.stream(ring.copy_stream):
+                        rows.tensor[lo:hi].copy_(as_bytes, non_blocking=True)
+                        ring.drained[k].record(ring.copy_stream)
+                    ring.used[k] = True
+            except BaseException:
+                ring.drain()
+                raise
+            finally:
+                ring.done_with(len(starts))
             host_done, pages_read = ring.issued()
         # Kernels queued after this may overwrite the pages: not before the
         # gather has read them (the host does not wait).
@@ -475,29 +482,38 @@ class BlockTransfer:
             # Pages of freed blocks may still be read by queued kernels.
             ring.kernel_stream.wait_stream(compute)
             start, cursor = 0, sum(len(c[2]) for c in chunks)
-            for chunk, (lo, hi, dst, pos) in enumerate(chunks):
-                k = chunk % ring.slots
-                as_bytes, as_words, srcs = ring.chunk(k, hi - lo, word, pool, self._segments)
-                if ring.used[k]:
-                    ring.copy_stream.wait_event(ring.drained[k])
-                with torch.cuda.stream(ring.copy_stream):
-                    as_bytes.copy_(rows.tensor[lo:hi], non_blocking=True)
-                    ring.filled[k].record(ring.copy_stream)
-                ring.kernel_stream.wait_event(ring.filled[k])
-                dst_ids = ids[start:start + len(dst)]
-                start += len(dst)
-                with torch.cuda.stream(ring.kernel_stream):
-                    if pos is not None:   # only some rows passed their checks
-                        picked = as_words.index_select(0, ids[cursor:cursor + len(pos)])
-                        cursor += len(pos)
-                        srcs = payload_views(picked, word, pool.payload_offset, self._segments)
-                    for target, src in zip(targets_views, srcs):
-                        if self._scatter_in_place:
-                            target.index_copy_(0, dst_ids, src)
-                        else:
-                            target[dst_ids] = src.contiguous()
-                    ring.drained[k].record(ring.kernel_stream)
-                ring.used[k] = True
+            try:
+                for chunk, (lo, hi, dst, pos) in enumerate(chunks):
+                    k = ring.slot(chunk)
+                    as_bytes, as_words, srcs = ring.chunk(k, hi - lo, word, pool, self._segments)
+                    if ring.used[k]:
+                        ring.copy_stream.wait_event(ring.drained[k])
+                    with torch.cuda.stream(ring.copy_stream):
+                        as_bytes.copy_(rows.tensor[lo:hi], non_blocking=True)
+                        ring.filled[k].record(ring.copy_stream)
+                    ring.kernel_stream.wait_event(ring.filled[k])
+                    dst_ids = ids[start:start + len(dst)]
+                    start += len(dst)
+                    with torch.cuda.stream(ring.kernel_stream):
+                        if pos is not None:   # only some rows passed their checks
+                            picked = as_words.index_select(0, ids[cursor:cursor + len(pos)])
+                            cursor += len(pos)
+                            srcs = payload_views(picked, word, pool.payload_offset, self._segments)
+                        for target, src in zip(targets_views, srcs):
+                            if self._scatter_in_place:
+                                target.index_copy_(0, dst_ids, src)
+                            else:
+                                target[dst_ids] = src.contiguous()
+                        ring.drained[k].record(ring.kernel_stream)
+                    ring.used[k] = True
+            except BaseException:
+                # Chunks already issued still read the host rows and write
+                # pages: the caller gives the rows back and counts the
+                # blocks failed once this returns.
+                ring.drain()
+                raise
+            finally:
+                ring.done_with(len(chunks))
             host_done, pages_written = ring.issued()
         if ordered:
             compute.wait_event(pages_written)
