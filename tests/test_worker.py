@@ -710,3 +710,43 @@ def test_on_cuda_the_step_clock_times_the_device_and_never_waits_for_it():
     reads, steps = observer.take()
     assert steps[0].num_tokens == 512
     assert steps[0].seconds > host_seconds, "the clock timed the host's launches, not the device's work"
+
+
+def test_a_copy_that_raises_costs_blocks_never_the_step(tmp_path, monkeypatch, device):
+    """A copy between the pages and host rows that raises (on a GPU: no
+    device memory left for a staging slot) costs that step's saves, or a
+    recompute of the blocks being loaded; the hook returns, and later steps
+    save and load again."""
+    s = open_store(f"disk://{tmp_path}/store")
+    s.reads_into_parts = False                    # loads go through rows, as on a GPU
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    src, keys = _caches(3, device), _keys(2)
+    saver = _worker(s, src)
+    real = saver.transfer.gather_rows
+    monkeypatch.setattr(saver.transfer, "gather_rows", raising)
+    saver.begin_step(0, [], [])
+    saver.save([BlockPlan("r", [0, 1], keys)])
+    assert saver.flush(10) and s.contains(keys) == [False, False]
+    assert saver.stats.take()["skipped_saves"] == 2
+    monkeypatch.setattr(saver.transfer, "gather_rows", real)
+    saver.save([BlockPlan("r", [0, 1], keys)])
+    assert saver.flush(10) and s.contains(keys) == [True, True]
+    saver.close()
+
+    dst = _caches(4, device)
+    loader = _worker(s, dst)
+    real = loader.transfer.scatter_rows
+    monkeypatch.setattr(loader.transfer, "scatter_rows", raising)
+    loader.begin_step(0, [], [])
+    loader.load([BlockPlan("q", [5, 6], keys)])
+    assert loader.take_load_errors() == {5, 6}
+    monkeypatch.setattr(loader.transfer, "scatter_rows", real)
+    loader.begin_step(0, [], [])
+    loader.load([BlockPlan("q", [5, 6], keys)])
+    assert loader.take_load_errors() == set()
+    assert _pages(dst, [5, 6]) == _pages(src, [0, 1])
+    loader.close()
+    s.close()

@@ -56,7 +56,11 @@ class SyncLoads:
 
     def start(self, plans: list[BlockPlan]) -> None:
         t0 = time.perf_counter()
-        _, bad, _, _ = self.reader.read(plans)
+        try:
+            _, bad, _, _ = self.reader.read(plans)
+        except Exception as exc:  # a copy that fails costs a recompute, never the step
+            self.reader.report.failed("block load", exc)
+            bad = {b for plan in plans for b in plan.block_ids}
         self._errors |= bad
         self._step |= bad
         self.reader.stats.add(load_seconds=time.perf_counter() - t0)

@@ -245,6 +245,15 @@ class Saves(BlockIO):
                 # On CPU the gather checksums each payload as it copies it.
                 copy = self.transfer.gather_rows([block_ids[i] for i in part], rows,
                                                  hasher=blockfmt.payload_hasher)
+            except Exception as exc:
+                # A copy that fails (on a GPU, out of memory for a staging
+                # slot, say) costs the step's saves left, never the step.
+                rows.release()
+                self.report.failed("block save copy", exc)
+                rest = todo[lo:]
+                skipped += len(rest)
+                self.events.add(NOT_STORED, [keys[i] for i in rest])
+                break
             except BaseException:
                 rows.release()
                 raise
