@@ -125,6 +125,50 @@ def test_blocks_filled_behind_the_forward_are_stale_until_rebuilt_from_their_pag
     assert not s.stale(torch.tensor([4]), epochs).any()
 
 
+def test_a_rebuild_reads_the_pages_a_bounded_pass_at_a_time_and_makes_the_same_summaries(monkeypatch):
+    """Rebuilding a batch's blocks from their pages (when thinning starts at
+    ``dense_below``) reads at most a pass's worth of keys at once, not the
+    whole table's, and makes what one pass over everything makes: invalid
+    entries and partly filled blocks included."""
+    from ucm_connector.sparse import summaries as summaries_mod
+
+    cache = Cache()
+    pages = key_pages(cache.kv, "vec", HEAD, "auto")
+    keys = torch.randn(5 * BLOCK, KV_HEADS, HEAD).to(torch.bfloat16)
+    cache.write(keys, keys, _slots([3, 9, 1, 7, 12], 0, 5 * BLOCK))
+    table = torch.tensor([[3, 9, 1, 0], [7, 12, 0, 0]])
+    valid = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    fills = torch.tensor([[BLOCK, BLOCK, 40, 0], [BLOCK, 100, 0, 0]])
+
+    def rebuilt(pass_nbytes):
+        monkeypatch.setattr(summaries_mod, "REBUILD_PASS_NBYTES", pass_nbytes)
+        reads = []
+
+        class Recording:
+            def read(self, blocks):
+                reads.append(len(blocks))
+                return pages.read(blocks)
+
+            def probe(self, blocks):
+                return pages.probe(blocks)
+
+        epochs = BlockEpochs().get(24, torch.device("cpu"))
+        s = LayerSummaries(24, BLOCK, KV_HEADS, HEAD, torch.float32, torch.device("cpu"), parts=4)
+        s.rebuild(table, valid, fills, epochs, Recording())
+        return s, reads
+
+    one_block = BLOCK * KV_HEADS * HEAD * 4
+    whole, whole_reads = rebuilt(1 << 30)
+    bounded, bounded_reads = rebuilt(3 * one_block)
+    assert whole_reads == [8] and bounded_reads == [3, 3, 2]
+    for name in ("kmin", "kmax", "part_sum", "probe", "made_at"):
+        assert torch.equal(getattr(whole, name), getattr(bounded, name)) or (
+            name == "probe" and torch.equal(whole.probe.isnan(), bounded.probe.isnan())
+            and torch.equal(whole.probe.nan_to_num(), bounded.probe.nan_to_num())), name
+    assert torch.equal(bounded.kmax[1], keys[2 * BLOCK:2 * BLOCK + 40].float().amax(0))
+    assert not bounded.behind
+
+
 def test_a_block_refilled_with_the_same_keys_keeps_its_summary():
     cache = Cache()
     counter = BlockEpochs()

@@ -29,6 +29,10 @@ from __future__ import annotations
 
 import torch
 
+#: The most keys one pass of ``LayerSummaries.rebuild`` reads from the pages
+#: (as float32); each pass holds a few copies of them.
+REBUILD_PASS_NBYTES = 64 << 20
+
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 tensor of host integers on ``device``.  On CUDA it goes
@@ -257,11 +261,22 @@ class LayerSummaries:
                 pages) -> None:
         """Summaries of every valid ``table`` entry (``fills`` tokens each)
         made again from the pages, in shapes fixed by the table's: invalid
-        entries read block 0 and write the scratch row."""
-        flat, ok = table.flatten(), valid.flatten()
+        entries read block 0 and write the scratch row.  A pass reads at
+        most ``REBUILD_PASS_NBYTES`` of keys (sizes known on the host, so
+        no wait for the device): a whole batch's table at once would hold
+        a few copies of every key it covers, gigabytes at long contexts."""
+        flat, ok, fills = table.flatten(), valid.flatten(), fills.flatten()
+        per_block = self.block_size * self.num_kv_heads * self.head_size * self.part_sum.element_size()
+        step = max(1, REBUILD_PASS_NBYTES // per_block)
+        for lo in range(0, flat.numel(), step):
+            self._rebuild(flat[lo:lo + step], ok[lo:lo + step], fills[lo:lo + step], epochs, pages)
+        self.behind = False
+
+    def _rebuild(self, flat: torch.Tensor, ok: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
+                 pages) -> None:
         src = torch.where(ok, flat, 0)
         dst = torch.where(ok, flat, self.trash)
-        fills = torch.where(ok, fills.flatten(), 0)
+        fills = torch.where(ok, fills, 0)
         kmin, kmax, part_sum = self._from_pages(src, fills, pages)
         self.part_sum.index_copy_(0, dst, part_sum)
         if self.minmax is not None:
@@ -270,7 +285,6 @@ class LayerSummaries:
         pad = torch.arange(self.block_size, device=src.device).unsqueeze(0) >= fills.unsqueeze(1)
         self.probe.index_copy_(0, dst, pages.probe(src).to(self.probe.dtype).masked_fill(pad, float("nan")))
         self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
-        self.behind = False
 
     def _from_pages(self, blocks: torch.Tensor, fills: torch.Tensor, pages):
         """min, max and slice sums of the first ``fills`` tokens of each block."""
