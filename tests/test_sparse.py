@@ -293,6 +293,42 @@ def test_block_topk_reads_sinks_the_hot_block_and_the_local_window_in_order(scor
     assert (stats.blocks_dense, stats.blocks_read, stats.sparse_rows) == (12, 5, 1)
 
 
+def test_a_layer_whose_summaries_do_not_fit_in_device_memory_stays_dense(monkeypatch, caplog):
+    """vLLM sizes its KV cache before any summary exists: a layer whose
+    summaries do not fit in the device memory left (or whose allocation
+    runs out of it) is attended densely, with one warning that says what to
+    change, and is not tried again; layers that fit are still thinned."""
+    import dataclasses
+
+    from ucm_connector.sparse import summary_keeper
+
+    free = [1 << 40]
+    monkeypatch.setattr(summary_keeper, "device_free_nbytes", lambda device: free[0])
+    method = BlockTopK.from_config({"budget_blocks": 3})
+    step = Step(method, hot_block=6)
+    assert method.before_attention(step.batch()) is not None
+    free[0] = 1 << 20
+    second = dataclasses.replace(step.batch(), layer_name="layer.1", layer_index=1)
+    caplog.clear()
+    assert method.before_attention(second) is None
+    need = summary_keeper.LayerSummaries.nbytes(24, BLOCK, KV_HEADS, HEAD, torch.float32, parts=1, bounds=False)
+    assert f"need {need / (1 << 20):.1f} MiB" in caplog.text and "1.0 MiB are free" in caplog.text
+    assert "layer.1" in caplog.text and "--gpu-memory-utilization" in caplog.text
+    free[0] = 1 << 40
+    caplog.clear()
+    assert method.before_attention(second) is None and not caplog.text
+    assert method.before_attention(step.batch()) is not None
+
+    class OutOfMemory(summary_keeper.LayerSummaries):
+        def __init__(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(summary_keeper, "LayerSummaries", OutOfMemory)
+    third = dataclasses.replace(step.batch(), layer_name="layer.2", layer_index=2)
+    assert method.before_attention(third) is None
+    assert method.before_attention(step.batch()) is not None
+
+
 def test_the_kernel_given_a_selection_computes_attention_over_exactly_the_chosen_blocks():
     method = BlockTopK.from_config({"budget_blocks": 4})
     step = Step(method)

@@ -78,7 +78,7 @@ import torch
 from . import torch_select, triton_select
 from .base import AttentionBatch, BlockSelection, SparseMethod, SparseStats, StepInfo
 from .summaries import LayerSummaries, to_device
-from .summary_keeper import SummaryKeeper
+from .summary_keeper import NoRoom, SummaryKeeper
 from .topk_options import DENSE_BELOW_DEFAULT, BlockTopKOptions
 from .topk_plan import STATS, StepPlan, step_key
 from .topk_reuse import KeptChoices
@@ -174,7 +174,11 @@ class BlockTopK(SparseMethod):
         device = batch.query.device
         keeper = self._keeper
         epochs = keeper.epochs.get(batch.num_cache_blocks, device)
-        layer = keeper.layer(batch)
+        try:
+            layer = keeper.layer(batch)
+        except NoRoom:                          # no device memory for its summaries: dense
+            plan.count_call(batch)
+            return None
         totals = self._device_totals(device)
         keeper.apply_pending(layer, batch, epochs, totals)
         if plan.below_threshold and batch.pages is not None:

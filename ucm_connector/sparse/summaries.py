@@ -166,6 +166,14 @@ class LayerSummaries:
         # the blocks the next thinned call reads are rebuilt from their pages.
         self.behind = False
 
+    @staticmethod
+    def nbytes(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+               parts: int = 1, bounds: bool = True) -> int:
+        """What one layer's summaries take (``made_at``, shared, aside)."""
+        rows, item = num_blocks + 1, torch.empty((), dtype=dtype).element_size()
+        per_row = parts * num_kv_heads * head_size + block_size + (2 * num_kv_heads * head_size if bounds else 0)
+        return rows * per_row * item
+
     @property
     def num_blocks(self) -> int:
         return self.part_sum.shape[0] - 1

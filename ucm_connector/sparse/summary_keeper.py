@@ -21,11 +21,35 @@ and summaries; nothing of vLLM.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .base import AttentionBatch, SparseStats, StepInfo
 from .summaries import BlockEpochs, LayerSummaries, to_device
 from .topk_plan import StepPlan
+
+
+logger = logging.getLogger("vllm.ucm_connector.sparse")
+
+#: Device memory left free beside a layer's summaries (CUDA): what the
+#: runtime, communication buffers and CUDA graphs may still take.
+MEMORY_MARGIN_NBYTES = 512 << 20
+
+
+class NoRoom(Exception):
+    """A layer's summaries do not fit in the device memory vLLM left free:
+    the layer stays dense."""
+
+
+def device_free_nbytes(device: torch.device) -> int | None:
+    """Device memory free outside every allocator (None: not a CUDA
+    device, whose memory is not split ahead of time).  vLLM sizes its KV
+    cache to ``gpu_memory_utilization`` before any summary exists, so
+    summaries must fit in what it leaves."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
 
 
 class PendingBlocks:
@@ -59,6 +83,7 @@ class SummaryKeeper:
         self._bounds = bounds
         self.epochs = BlockEpochs()
         self.layers: dict[str, LayerSummaries] = {}
+        self.no_room: set[str] = set()      # layers left dense: their summaries did not fit
         # Shared by all layers' summaries: every layer sees the same writes
         # and refreshes the same stale blocks in the same step.
         self._made_at: torch.Tensor | None = None
@@ -129,6 +154,8 @@ class SummaryKeeper:
         read."""
         layer = self.layers.get(batch.layer_name)
         if layer is None or layer.num_blocks < batch.num_cache_blocks:
+            if batch.layer_name in self.no_room:
+                raise NoRoom(batch.layer_name)
             made_at = self._made_at
             device = batch.query.device
             if made_at is None or made_at.numel() < batch.num_cache_blocks + 1 or made_at.device != device:
@@ -142,13 +169,38 @@ class SummaryKeeper:
             # fp32 summaries: scoring reads them as fp32 without a conversion
             # (bf16 copies measured no faster and lost agreement with parts).
             parts = self._parts if batch.block_size % self._parts == 0 else 1
-            layer = LayerSummaries(batch.num_cache_blocks, batch.block_size, batch.num_kv_heads,
-                                   batch.head_size, torch.float32, device, parts=parts,
-                                   bounds=self._bounds, made_at=made_at)
+            shape = (batch.num_cache_blocks, batch.block_size, batch.num_kv_heads, batch.head_size, torch.float32)
+            self._make_room(batch.layer_name, LayerSummaries.nbytes(*shape, parts=parts, bounds=self._bounds),
+                            device)
+            try:
+                layer = LayerSummaries(*shape, device, parts=parts, bounds=self._bounds, made_at=made_at)
+            except torch.OutOfMemoryError:
+                self._no_room(batch.layer_name, LayerSummaries.nbytes(*shape, parts=parts, bounds=self._bounds),
+                              device)
             self.layers[batch.layer_name] = layer
         if batch.pages is None:
             self._no_pages = True
         return layer
+
+    def _make_room(self, layer_name: str, nbytes: int, device: torch.device) -> None:
+        free = device_free_nbytes(device)
+        if free is not None and nbytes + MEMORY_MARGIN_NBYTES > free:
+            self._no_room(layer_name, nbytes, device, free)
+        if not self.layers:
+            logger.info("ucm-connector: block_topk's block summaries take %.1f MiB of %s memory per layer",
+                        nbytes / (1 << 20), device)
+
+    def _no_room(self, layer_name: str, nbytes: int, device: torch.device, free: int | None = None) -> None:
+        if not self.no_room:
+            logger.warning(
+                "ucm-connector: block_topk's block summaries need %.1f MiB of %s memory per layer, and %s; "
+                "layer %s and any other that does not fit stay dense. Lower --gpu-memory-utilization "
+                "to leave room for them (about %.1f MiB per layer, plus %d MiB), or make them smaller "
+                "(block_topk options parts: 1, score: mean)", nbytes / (1 << 20), device,
+                "it is out of memory" if free is None else f"{free / (1 << 20):.1f} MiB are free",
+                layer_name, nbytes / (1 << 20), MEMORY_MARGIN_NBYTES >> 20)
+        self.no_room.add(layer_name)
+        raise NoRoom(layer_name)
 
     def apply_pending(self, layer: LayerSummaries, batch: AttentionBatch, epochs: torch.Tensor,
                       totals: torch.Tensor) -> None:
