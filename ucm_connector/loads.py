@@ -13,9 +13,9 @@ layer, this step's failures, what finished, the errors to report), so the
 worker reads the same for each.  This step's failures and the errors to
 report are kept apart: vLLM may take the errors before the step's saves
 (with a speculator it calls ``wait_for_save`` after the draft model), and
-the saves must still see them.  This module decides when and on which thread blocks are
-read; reading, checking and copying them is ``BlockReader``'s.  It must not
-import vLLM.
+the saves must still see them.  This module decides when and on which
+thread blocks are read; reading, checking and copying them is
+``BlockReader``'s.  It must not import vLLM.
 """
 
 from __future__ import annotations
