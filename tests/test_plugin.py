@@ -109,3 +109,28 @@ def test_with_full_cuda_graphs_layerwise_loads_load_before_the_step_and_sparse_r
         _refuse_full_cuda_graphs(engine(mode))
     assert worker_load_mode(UCMConfig.from_extra_config({"load_kv_async": True}), full) is LoadMode.ASYNC
     assert worker_load_mode(UCMConfig.from_extra_config({}), full) is LoadMode.SYNC
+
+
+def test_pipeline_and_context_parallelism_are_refused_at_start_up(tmp_path):
+    """Blocks are keyed per tensor-parallel rank only: a pipeline stage
+    would load another stage's layers under the same keys, and context
+    parallelism splits a block's tokens across ranks.  The connector
+    refuses to start, naming the setting."""
+    import os
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ucm_connector.connector import UCMConnector, _refuse_unsupported_parallelism
+
+    model = os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "tiny-llama")
+    config = EngineArgs(model=model, pipeline_parallel_size=2, max_model_len=512, distributed_executor_backend="mp",
+                        kv_transfer_config={"kv_connector": "UCMConnector", "kv_role": "kv_both",
+                                            "kv_connector_extra_config": {"store": f"disk://{tmp_path}/s"}},
+                        ).create_engine_config()
+    with pytest.raises(RuntimeError, match="pipeline_parallel_size 2 is not supported"):
+        UCMConnector(config, KVConnectorRole.SCHEDULER)
+    with pytest.raises(RuntimeError, match="decode_context_parallel_size 2 is not supported"):
+        _refuse_unsupported_parallelism(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2))
+    _refuse_unsupported_parallelism(SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=4))

@@ -107,6 +107,13 @@ def test_a_miss_computes_and_saves(disk_url, harnesses):
     assert len(h.stored_blocks()) == 5
 
 
+def test_vllm_treats_the_connector_as_a_best_effort_cache_on_preemption(disk_url, harnesses):
+    """Saves are copied out in wait_for_save, so vLLM's scheduler need not
+    throw away a preempted request's in-flight tokens for a hand-off."""
+    h = harnesses(store=disk_url)
+    assert h.scheduler.connector is not None and h.scheduler.requires_kv_delivery is False
+
+
 def test_chunked_prefill_saves_each_chunk_and_loads_it_back(disk_url, harnesses):
     tokens = prompt(12 * BS + 3, seed=1)
     first = harnesses(store=disk_url, max_num_batched_tokens=40)

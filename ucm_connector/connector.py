@@ -125,6 +125,20 @@ def _open_store(config: UCMConfig, stats: StatsCollector | None = None):
     return pause_unavailable(store, None if stats is None else (lambda: stats.add(store_pauses=1)))
 
 
+def _refuse_unsupported_parallelism(parallel_config) -> None:
+    """Pipeline stages hold other layers under the same keys, and context
+    parallelism splits a block's tokens across ranks: block keys and
+    payloads here are per tensor-parallel rank only, so both would load
+    another stage's or rank's KV."""
+    sizes = {name: getattr(parallel_config, name, 1) or 1 for name in (
+        "pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size")}
+    used = [f"{name} {size}" for name, size in sizes.items() if size > 1]
+    if used:
+        raise RuntimeError(
+            f"ucm-connector cannot start: {', '.join(used)} is not supported (blocks are keyed per "
+            "tensor-parallel rank only); run with tensor parallelism alone, or without the connector")
+
+
 def worker_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
     """The configured way of loading, unless the engine replays full CUDA
     graphs: those replays skip ``wait_for_layer_load``, so attention would
@@ -158,8 +172,16 @@ class UCMConnector(KVConnectorBase_V1):
             return False
         return config.load_mode is LoadMode.LAYER or bool(config.sparse)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a step's saves are copied out in
+        ``wait_for_save``, so nothing is owed to a request vLLM preempts
+        (vLLM then keeps the tokens it sampled meanwhile)."""
+        return False
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _refuse_unsupported_parallelism(vllm_config.parallel_config)
         transfer_config = vllm_config.kv_transfer_config
         self.config = UCMConfig.from_extra_config(transfer_config.kv_connector_extra_config)
         kv_role = transfer_config.kv_role
