@@ -45,6 +45,11 @@ Steps (each may carry a "name"; results are keyed by it):
   those tokens from this engine's store (every TP rank's shard), as an
   eviction would; the other blocks stay.  Instead of ``tokens``, ``"from":
   STEP, "prompt": j`` names prompt j of an earlier generate step.
+* ``{"op": "embed", "name": N, "prompts": [P, ...]}``: one ``LLM.embed``
+  call (a spec with ``"pooling": "MEAN"`` or another sequence pooling type
+  runs the model as a pooling model); the result holds the embeddings.
+* ``{"op": "store_digest"}``: every key in this engine's store with the
+  sha256 of its value (hex); ``{"op": "clear_store"}``: delete them all.
 * ``{"op": "explain", "args": [...]}``: run ``ucm explain ARGS`` (in this
   process, through ``tests/explain_helper.py``); the result holds ``rc``,
   ``stdout``, ``stderr``.
@@ -195,6 +200,24 @@ def evict_block(llm, url: str, tokens: list[int], index: int) -> str:
     return key.hex()
 
 
+def store_digest(url: str, clear: bool = False) -> dict[str, str]:
+    """Every key in the store and the sha256 of its value (hex); ``clear``:
+    and delete them."""
+    import hashlib
+
+    from store_backends import open_store
+
+    store = open_store(url)
+    try:
+        keys = [k for batch in store.iter_keys() for k in batch]
+        values = store.get(keys) if keys else []
+        if clear and keys:
+            store.delete(keys)
+    finally:
+        store.close()
+    return {k.hex(): hashlib.sha256(v).hexdigest() for k, v in zip(keys, values) if v is not None}
+
+
 def build_llm(spec: dict):
     from vllm import LLM
 
@@ -219,6 +242,10 @@ def build_llm(spec: dict):
                                       "topic": "kv"}
     if spec.get("lora"):
         kwargs.update(enable_lora=True, **spec["lora"])
+    if spec.get("pooling"):
+        from vllm.config import PoolerConfig
+
+        kwargs.update(runner="pooling", pooler_config=PoolerConfig(seq_pooling_type=spec["pooling"]))
     if spec.get("store") is not None:
         # Every hit is loaded unless a test asks otherwise: with the default
         # load_policy auto, whether a later hit on these tiny models is
@@ -418,6 +445,12 @@ def main(spec_path: str, out_path: str) -> int:
                           else result["steps"][step["from"]]["prompts"][int(step.get("prompt", 0))])
                 res = {"key": evict_block(llms[i], specs[i]["store"], [int(t) for t in tokens],
                                           int(step["index"]))}
+            elif op == "embed":
+                outs = llms[i].embed([{"prompt_token_ids": _prompt_tokens(p, result["steps"])}
+                                      for p in step["prompts"]])
+                res = {"embeddings": [list(map(float, o.outputs.embedding)) for o in outs]}
+            elif op in ("store_digest", "clear_store"):
+                res = {"blocks": store_digest(specs[i]["store"], clear=op == "clear_store")}
             elif op == "explain":
                 from explain_helper import explain
 

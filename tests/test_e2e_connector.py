@@ -125,6 +125,29 @@ def _with_flushes(steps):
     return out
 
 
+SW_PROMPT = _source_tokens("pathlib.py", 100, 1024)        # 8 blocks; the window covers 2
+
+
+def _sliding_window_model(dest: str) -> str:
+    """A tiny Mistral whose layers all attend over a 256-token sliding
+    window (random weights, tiny-llama's tokenizer), built in seconds."""
+    import shutil
+
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=256,
+                           max_position_embeddings=8192, initializer_range=0.2, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    MistralForCausalLM(config).to(torch.bfloat16).save_pretrained(dest)
+    for name in os.listdir(TINY):
+        if name.startswith(("tokenizer", "special")):
+            shutil.copy(os.path.join(TINY, name), dest)
+    return dest
+
+
 # -- running engines -------------------------------------------------------------
 
 class Run:
@@ -396,6 +419,31 @@ def engines(tmp_path_factory, request):
         _gen("batch", [A, B]),
     ])))
 
+    # A model whose every layer uses a sliding window: vLLM puts its null
+    # block where the blocks that left the window were.  The prompt again,
+    # after the store lost its blocks (vLLM's own cache still holds the
+    # window): what is stored again must be what the first run stored.
+    eng.add(Run("sliding", lambda e: {
+                            "model": _sliding_window_model(os.path.join(workdir, "tiny-mistral-sw")),
+                            "store": f"disk://{workdir}/store-sw", "prefix_caching": True,
+                            "max_model_len": 2048, "steps": [
+                                _gen("sw_cold", [SW_PROMPT], 1),
+                                {"op": "flush", "name": "sw_flush1", "min_blocks": 7, "quiet_s": 1.0},
+                                {"op": "clear_store", "name": "sw_first"},
+                                _gen("sw_again", [SW_PROMPT], 1),
+                                {"op": "flush", "name": "sw_flush2", "quiet_s": 1.0},
+                                {"op": "store_digest", "name": "sw_second"},
+                            ]}))
+    # A pooling model with MEAN pooling needs every token's hidden state:
+    # vLLM keeps no prefix cache for it, and neither may the connector.
+    eng.add(Run("pooling", {"model": TINY, "store": f"disk://{workdir}/store-pool", "pooling": "MEAN",
+                            "max_model_len": 1024, "max_num_batched_tokens": 1024, "steps": [
+                                {"op": "embed", "name": "emb_first", "prompts": [{"tokens": A}]},
+                                {"op": "flush", "name": "pool_flush", "quiet_s": 1.0},
+                                {"op": "embed", "name": "emb_second", "prompts": [{"tokens": A}]},
+                                {"op": "store_digest", "name": "pool_store"},
+                            ]}))
+
     eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
     eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
 
@@ -642,6 +690,34 @@ def test_different_model_gets_no_hits(engines):
     assert got["smol_first"]["cached"] == [0]
     assert _external_hits(got["smol_first"]) == 0
     assert got["smol_second"]["cached"] == [640]
+
+
+@uses("sliding")
+def test_a_sliding_window_model_never_stores_the_null_block_under_a_prompts_keys(engines):
+    """Blocks that left the window are vLLM's null block in the request's
+    block table: stored again after the store lost them, they used to get
+    the null block's page under valid keys (wrong KV for any later load).
+    Now only blocks still in the window are stored again, each with exactly
+    the bytes the first run stored."""
+    got = engines.result("sliding")
+    first, second = got["sw_first"]["blocks"], got["sw_second"]["blocks"]
+    assert len(first) >= 8
+    assert second, "the second run stored nothing"
+    assert set(second) <= set(first)
+    assert [k for k, digest in second.items() if first[k] != digest] == []
+    assert got["sw_again"]["outputs"] == got["sw_cold"]["outputs"]
+
+
+@uses("pooling")
+def test_a_pooling_model_without_prefix_caching_is_left_alone(engines):
+    """MEAN pooling needs every token's hidden state, so vLLM keeps no
+    prefix cache for it: the connector neither loads (a partial prefill
+    used to kill the engine at the second request) nor saves."""
+    got = engines.result("pooling")
+    first, second = got["emb_first"]["embeddings"][0], got["emb_second"]["embeddings"][0]
+    assert len(first) == len(second) > 0
+    assert max(abs(a - b) for a, b in zip(first, second)) < 1e-3
+    assert got["pool_store"]["blocks"] == {}
 
 
 # -- kv_role through shm:// --------------------------------------------------------------------------

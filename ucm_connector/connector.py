@@ -125,6 +125,25 @@ def _open_store(config: UCMConfig, stats: StatsCollector | None = None):
     return pause_unavailable(store, None if stats is None else (lambda: stats.add(store_pauses=1)))
 
 
+_warned: set[str] = set()
+
+
+def _prefix_reusable(model_config) -> bool:
+    """Whether a prompt's KV may be reused by prefix for this model, as
+    vLLM decides for its own prefix cache: not for pooling models with
+    MEAN or CLS pooling (the pooler needs every token's hidden state; a
+    partial prefill kills the engine) nor bidirectional ones.  The
+    connector then neither loads nor saves, and says so once."""
+    if getattr(model_config, "is_prefix_caching_supported", True) is not False:
+        return True
+    if "prefix" not in _warned:
+        _warned.add("prefix")
+        logger.warning("ucm-connector: vLLM does not reuse this model's KV by prefix (pooler %s); the connector "
+                       "neither loads nor saves", getattr(getattr(model_config, "pooler_config", None),
+                                                          "seq_pooling_type", None) or "none")
+    return False
+
+
 def _refuse_unsupported_parallelism(parallel_config) -> None:
     """Pipeline stages hold other layers under the same keys, and context
     parallelism splits a block's tokens across ranks: block keys and
@@ -185,8 +204,9 @@ class UCMConnector(KVConnectorBase_V1):
         transfer_config = vllm_config.kv_transfer_config
         self.config = UCMConfig.from_extra_config(transfer_config.kv_connector_extra_config)
         kv_role = transfer_config.kv_role
-        self._load_enabled = kv_role in ("kv_consumer", "kv_both")
-        self._save_enabled = kv_role in ("kv_producer", "kv_both")
+        reusable = _prefix_reusable(vllm_config.model_config)
+        self._load_enabled = reusable and kv_role in ("kv_consumer", "kv_both")
+        self._save_enabled = reusable and kv_role in ("kv_producer", "kv_both")
         self.stats = StatsCollector()
         self._scheduler: UCMScheduler | None = None
         self._worker = None

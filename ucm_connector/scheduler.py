@@ -35,6 +35,13 @@ from .plans import BlockPlan, BlockProbe
 logger = logging.getLogger("vllm.ucm_connector.scheduler")
 
 
+#: vLLM's block pool keeps block 0 as its null block: a sliding-window (or
+#: chunked local attention) cache puts it where the blocks that left the
+#: window were.  Its page holds nothing of the request: never saved under a
+#: request's key, never loaded into.
+NULL_BLOCK_ID = 0
+
+
 @dataclasses.dataclass
 class _RequestState:
     request: Any
@@ -241,7 +248,9 @@ class UCMScheduler:
         state.block_ids = block_ids
         first = state.num_local_tokens // self.block_size
         last = (state.num_local_tokens + num_external_tokens) // self.block_size
-        state.pending_load = BlockPlan(request.request_id, block_ids[first:last], state.keys.keys[first:last])
+        real = [i for i in range(first, min(last, len(block_ids))) if block_ids[i] != NULL_BLOCK_ID]
+        state.pending_load = BlockPlan(request.request_id, [block_ids[i] for i in real],
+                                       [state.keys.keys[i] for i in real])
         self.stats.add(hit_tokens=num_external_tokens)
 
     def _act(self, state: _RequestState) -> None:
@@ -305,6 +314,11 @@ class UCMScheduler:
                 keys = self._keys(state)
                 num_full = min(num_full, len(keys))
                 first = state.num_stored_blocks
+                blocks = state.block_ids
+                while first < num_full and blocks[first] == NULL_BLOCK_ID:
+                    first += 1          # left the window: their KV is gone
+                if NULL_BLOCK_ID in blocks[first:num_full]:
+                    num_full = blocks.index(NULL_BLOCK_ID, first, num_full)
                 if num_full > first:
                     # The pages this step's computation reads (the blocks
                     # before its first token) that came from the store lately.
