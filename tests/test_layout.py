@@ -54,3 +54,21 @@ def test_a_layout_forced_by_the_environment_counts_when_none_is_recorded(on_a_gp
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
     assert kv_layout(_gpu_config(None)) == "cuda/FLASH_ATTN/page=HNC/auto"
     assert kv_layout(_gpu_config("LBNHC")) == "cuda/FLASH_ATTN/page=NHC/auto"   # the recorded one wins
+
+
+def test_a_drafter_with_kv_of_its_own_gets_its_own_namespace(on_a_gpu):
+    """EAGLE, MTP and draft models register their layers' caches with the
+    model's, so their engines store bigger blocks: sharing a namespace with
+    an engine without them, each would delete the other's blocks as the
+    wrong size.  Drafters without KV (n-gram, suffix, Medusa) share."""
+    def with_spec(method, draft=None):
+        config = _gpu_config("LBNHC")
+        config.speculative_config = None if method is None else SimpleNamespace(
+            method=method, draft_model_config=None if draft is None else SimpleNamespace(model=draft))
+        return namespace_for(config).digest
+
+    plain = with_spec(None)
+    assert with_spec("ngram") == with_spec("suffix") == with_spec("medusa") == plain
+    eagle, other_eagle, mtp = with_spec("eagle3", "org/eagle-a"), with_spec("eagle3", "org/eagle-b"), with_spec("mtp")
+    assert len({plain, eagle, other_eagle, mtp}) == 4
+    assert with_spec("eagle3", "org/eagle-a") == eagle

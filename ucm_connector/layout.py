@@ -100,13 +100,31 @@ def kv_layout(vllm_config) -> str:
     return f"{current_platform.device_name}/{backend}/{order}/{cache_config.cache_dtype}"
 
 
+#: Speculative methods whose drafter keeps no KV cache of its own.
+_DRAFTERS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
+
+
+def drafter(vllm_config) -> str:
+    """The drafter whose layers' KV the workers store beside the model's
+    (EAGLE, MTP, a draft model: vLLM registers their caches with the
+    model's), as a suffix of the KV layout; "" for none, or for one that
+    keeps no KV (n-gram, suffix, Medusa), which shares blocks with an
+    engine that drafts nothing."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None)
+    if spec is None or method is None or method in _DRAFTERS_WITHOUT_KV:
+        return ""
+    draft = getattr(getattr(spec, "draft_model_config", None), "model", None)
+    return f"/draft={method}:{_fingerprint(str(draft)) if draft else '-'}"
+
+
 def namespace_for(vllm_config, tp_rank: int = 0) -> Namespace:
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
     return Namespace(
         model_fingerprint=_fingerprint(str(model_config.model)),
         dtype=str(model_config.dtype),
-        kv_layout=kv_layout(vllm_config),
+        kv_layout=kv_layout(vllm_config) + drafter(vllm_config),
         block_size=vllm_config.cache_config.block_size,
         num_layers=model_config.get_num_layers(parallel_config),
         num_kv_heads=model_config.get_num_kv_heads(parallel_config),
