@@ -472,3 +472,41 @@ def test_hashing_and_blockfmt_import_without_vllm_or_torch():
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert run.stdout.strip() == "[]"
+
+
+def test_inputs_added_to_a_running_request_enter_its_keys(tmp_path):
+    """A streaming session adds the next turn's tokens and images to the
+    same request: the keys of the blocks after it are made with the new
+    images (two sessions alike but for the second image must not share
+    them), and the blocks before keep theirs."""
+    from types import SimpleNamespace
+
+    from store_backends import open_store
+    from ucm_connector.counters import StatsCollector
+    from ucm_connector.scheduler import UCMScheduler
+
+    ns = Namespace(model_fingerprint="a" * 32, dtype="bfloat16", kv_layout="cpu/CPU_ATTN/vec/auto", block_size=16,
+                   num_layers=2, num_kv_heads=1, head_size=8, tp_rank=0, tp_size=1)
+    store = open_store(f"disk://{tmp_path}/s")
+    scheduler = UCMScheduler(store=store, hasher=BlockHasher(ns), block_size=16, tp_size=1, load=True, save=True,
+                             min_hit_blocks=1, stats=StatsCollector())
+
+    def image(name, offset):
+        return SimpleNamespace(identifier=name, mm_position=SimpleNamespace(offset=offset, length=8))
+
+    def request(req_id, n, images):
+        return SimpleNamespace(request_id=req_id, all_token_ids=list(range(100, 100 + n)), mm_features=images,
+                               prompt_embeds=None, lora_request=None, cache_salt=None)
+
+    def keys_of(r):
+        return scheduler._keys(scheduler._state(r))
+
+    session = request("s", 32, [image("img-1", 2)])
+    first_turn = keys_of(session)
+    session.all_token_ids = list(range(100, 164))
+    session.mm_features = session.mm_features + [image("img-2", 40)]
+    keys = keys_of(session)
+    assert keys[:2] == first_turn
+    assert keys == keys_of(request("whole", 64, [image("img-1", 2), image("img-2", 40)]))
+    assert keys[2:] != keys_of(request("other", 64, [image("img-1", 2), image("img-3", 40)]))[2:]
+    store.close()

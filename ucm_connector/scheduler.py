@@ -63,6 +63,13 @@ class _RequestState:
     # acted on (counted, probes sent) once, when the request is scheduled.
     decision: tuple[tuple, LoadDecision] | None = None
     decision_acted: bool = False
+    # Multimodal inputs the keys were made with: a streaming session adds
+    # inputs to a running request, and keys must then be made again.
+    num_mm: int = 0
+
+
+def _num_mm(request) -> int:
+    return len(getattr(request, "mm_features", None) or ())
 
 
 def _request_extras(request, adapters: AdapterIdentities) -> KeyExtras | None:
@@ -123,7 +130,7 @@ class UCMScheduler:
                 extras = _request_extras(request, self.adapters)
                 if extras is not None:
                     keys = self.hasher.request_for(extras)
-            state = _RequestState(request=request, keys=keys)
+            state = _RequestState(request=request, keys=keys, num_mm=_num_mm(request))
             self._states[request.request_id] = state
         return state
 
@@ -132,15 +139,20 @@ class UCMScheduler:
         if state.keys is None:
             return []
         tokens = state.request.all_token_ids
-        try:
-            return state.keys.update(tokens)
-        except ValueError:
-            # The token list no longer extends what was hashed (a request
-            # rewritten on resume): start its chain again.
-            extras = _request_extras(state.request, self.adapters)
-            state.keys = None if extras is None else self.hasher.request_for(extras)
-            state.num_stored_blocks = 0
-            return [] if state.keys is None else state.keys.update(tokens)
+        if _num_mm(state.request) == state.num_mm:
+            try:
+                return state.keys.update(tokens)
+            except ValueError:
+                pass
+        # The token list no longer extends what was hashed (a request
+        # rewritten on resume), or inputs were added to it (a streaming
+        # session's next turn, whose images enter the keys): start its
+        # chain again.
+        extras = _request_extras(state.request, self.adapters)
+        state.keys = None if extras is None else self.hasher.request_for(extras)
+        state.num_mm = _num_mm(state.request)
+        state.num_stored_blocks = 0
+        return [] if state.keys is None else state.keys.update(tokens)
 
     def _store_failed(self, what: str, exc: BaseException) -> None:
         self.stats.add(store_errors=1)
