@@ -242,7 +242,7 @@ class Engine:
             num_tokens=len(tokens), num_computed_tokens=0)
         hit_tokens, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
         num_blocks = -(-len(tokens) // BLOCK_SIZE)
-        block_ids = list(range(num_blocks))
+        block_ids = list(range(1, num_blocks + 1))      # vLLM keeps block 0 as its null block
         if hit_tokens:
             blocks = SimpleNamespace(get_block_ids=lambda: (block_ids,))
             self.scheduler.update_state_after_alloc(request, blocks, hit_tokens)
