@@ -14,6 +14,7 @@ of a slot shaped like each segment's pages.  It issues no copies of its own
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -94,23 +95,29 @@ class StagingRing:
         self.copy_stream.wait_stream(current)
 
     def slot(self, chunk: int) -> int:
-        """The slot of this copy's ``chunk``-th chunk."""
+        """The slot of the current copy's ``chunk``-th chunk."""
         return (self.next + chunk) % self.slots
 
-    def done_with(self, chunks: int) -> None:
-        """A copy issued ``chunks`` chunks: the next one starts after them."""
-        self.next = (self.next + chunks) % self.slots
-
-    def drain(self) -> None:
-        """Wait on the host for everything queued on both side streams: a
-        copy that failed half-way must not hand back host rows, nor leave
-        page writes unordered, while chunks it issued still run.  A
-        device error here is not raised over the one being handled."""
+    @contextlib.contextmanager
+    def issuing(self, chunks: int):
+        """Around the issue of a copy of ``chunks`` chunks: the next copy
+        starts at the slot after them (a copy of one slot's worth does not
+        wait for the one just before), and a copy that fails half-way
+        waits on the host for what it issued before the error goes on: its
+        host rows must not be handed back, nor its page writes left
+        unordered, while those chunks still run.  A device error while
+        waiting is not raised over the one being handled."""
         try:
-            self.copy_stream.synchronize()
-            self.kernel_stream.synchronize()
-        except Exception:
-            pass
+            yield
+        except BaseException:
+            try:
+                self.copy_stream.synchronize()
+                self.kernel_stream.synchronize()
+            except Exception:
+                pass
+            raise
+        finally:
+            self.next = (self.next + chunks) % self.slots
 
     def issued(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """``(host_done, pages_done)``: events behind all that is queued so

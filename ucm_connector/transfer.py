@@ -423,7 +423,7 @@ class BlockTransfer:
             # The pages were just written by kernels on the compute stream.
             ring.kernel_stream.wait_stream(compute)
             starts = range(0, n, per_slot)
-            try:
+            with ring.issuing(len(starts)):
                 for chunk, lo in enumerate(starts):
                     hi = min(n, lo + per_slot)
                     k = ring.slot(chunk)
@@ -443,11 +443,6 @@ class BlockTransfer:
                         rows.tensor[lo:hi].copy_(as_bytes, non_blocking=True)
                         ring.drained[k].record(ring.copy_stream)
                     ring.used[k] = True
-            except BaseException:
-                ring.drain()
-                raise
-            finally:
-                ring.done_with(len(starts))
             host_done, pages_read = ring.issued()
         # Kernels queued after this may overwrite the pages: not before the
         # gather has read them (the host does not wait).
@@ -482,7 +477,9 @@ class BlockTransfer:
             # Pages of freed blocks may still be read by queued kernels.
             ring.kernel_stream.wait_stream(compute)
             start, cursor = 0, sum(len(c[2]) for c in chunks)
-            try:
+            # A failure half-way waits for the chunks already issued: they
+            # still read the host rows, which the caller then gives back.
+            with ring.issuing(len(chunks)):
                 for chunk, (lo, hi, dst, pos) in enumerate(chunks):
                     k = ring.slot(chunk)
                     as_bytes, as_words, srcs = ring.chunk(k, hi - lo, word, pool, self._segments)
@@ -506,14 +503,6 @@ class BlockTransfer:
                                 target[dst_ids] = src.contiguous()
                         ring.drained[k].record(ring.kernel_stream)
                     ring.used[k] = True
-            except BaseException:
-                # Chunks already issued still read the host rows and write
-                # pages: the caller gives the rows back and counts the
-                # blocks failed once this returns.
-                ring.drain()
-                raise
-            finally:
-                ring.done_with(len(chunks))
             host_done, pages_written = ring.issued()
         if ordered:
             compute.wait_event(pages_written)
