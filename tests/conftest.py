@@ -36,6 +36,20 @@ def _stop_leftover_shm_servers():
     shutil.rmtree(_SHM_RUNTIME_DIR, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _record_triton_variants():
+    """``make test-kernels``: note each Triton kernel variant launched, for
+    ``ucm_testing.triton_variants`` to compile for a GPU afterwards."""
+    path = os.environ.get("UCM_TRITON_VARIANTS")
+    if not path:
+        yield
+        return
+    from ucm_testing.triton_variants import record
+
+    with record(path):
+        yield
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     server = RedisServer().start()
