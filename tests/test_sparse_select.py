@@ -266,6 +266,22 @@ def test_a_pure_decode_step_over_128_token_blocks_matches_too(device, kernels):
     assert rows == 4 and real == 0
 
 
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_a_call_whose_only_decode_rows_come_after_the_first_128_counts_as_a_decode_call(device, kernels):
+    """The kernels look for decode rows 128 rows at a time (the batch size
+    is no compile-time constant): one found only in the second pass still
+    counts the call."""
+    rows = 131
+    reqs = Requests(device, [40] * rows, [2] * (rows - 2) + [1, 1], seed=3, heads=2, kv_heads=1, head=16)
+    method = _method({"budget_blocks": 2}, kernels)
+    reqs.start(method)
+    before = method.stats()
+    assert method.before_attention(reqs.step("layers.0", step=2)) is not None
+    after = method.stats()
+    assert after.layer_calls - before.layer_calls == 1
+    assert after.decode_rows - before.decode_rows == 2
+
+
 @pytest.mark.skipif(len(PATHS) == len(DEVICES), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("score", ["mean", "bound"])
 def test_the_kernels_keep_the_summaries_the_torch_path_keeps(score):

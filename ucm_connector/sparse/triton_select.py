@@ -227,7 +227,7 @@ if triton is not None:
         return decode, seq, n, keep, decode & (keep < n) & (seq > 0)
 
     @triton.jit
-    def _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, thin, read, n, RP: tl.constexpr):
+    def _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, thin, read, n):
         # Counters, in topk_plan.STATS order: ``read`` blocks of a thinned
         # row, all ``n`` of another decode row.
         tl.atomic_add(totals_ptr + 1, decode.to(tl.int64))
@@ -235,17 +235,24 @@ if triton is not None:
         tl.atomic_add(totals_ptr + 3, tl.where(decode, tl.where(thin, read, n), 0))
         tl.atomic_add(totals_ptr + 4, tl.where(decode, n, 0))
         if r == 0:
-            rr = tl.arange(0, RP)
-            inside = rr < num_rows
-            lens = tl.load(qsl_ptr + rr + 1, mask=inside, other=0) - tl.load(qsl_ptr + rr, mask=inside, other=0)
-            tl.atomic_add(totals_ptr + 0, tl.max(((lens == 1) & inside).to(tl.int64), axis=0))
+            # Whether the call has a decode row, over the rows 128 at a time:
+            # the batch size is no compile-time constant (a new one would
+            # compile new variants of the kernels in the middle of serving).
+            chunk = tl.arange(0, 128)
+            any_decode = tl.max(tl.zeros((128,), tl.int64), axis=0)
+            for r0 in range(0, num_rows, 128):
+                rr = r0 + chunk
+                inside = rr < num_rows
+                lens = tl.load(qsl_ptr + rr + 1, mask=inside, other=0) - tl.load(qsl_ptr + rr, mask=inside, other=0)
+                any_decode = tl.maximum(any_decode, tl.max(((lens == 1) & inside).to(tl.int64), axis=0))
+            tl.atomic_add(totals_ptr + 0, any_decode)
 
     @triton.jit
     def _select_kernel(logits_ptr, width, num_rows, qsl_ptr, seq_ptr, table_ptr, table_s0,
                        keep_ptr, out_table_ptr, out_table_s0, out_seq_ptr, totals_ptr,
                        choice_pos_ptr, choice_k, choice_count_ptr, choice_nb_ptr, choice_last_ptr, choice_thin_ptr,
                        BS: tl.constexpr, HQ: tl.constexpr, HB: tl.constexpr, WP: tl.constexpr,
-                       RP: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr, CHOICE: tl.constexpr):
+                       SINK: tl.constexpr, LOCAL: tl.constexpr, CHOICE: tl.constexpr):
         r = tl.program_id(0)
         decode, seq, n, keep, thin = _row(r, qsl_ptr, seq_ptr, keep_ptr, BS, WP)
         last_fill = seq - (n - 1) * BS
@@ -258,7 +265,7 @@ if triton is not None:
             last = tl.minimum(tl.maximum(n - 1, 0), width - 1)
             tl.store(choice_last_ptr + r, tl.load(table_ptr + r * table_s0 + last).to(tl.int64))
             tl.store(choice_thin_ptr + r, thin.to(tl.int8))
-        _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, thin, keep, n, RP)
+        _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, thin, keep, n)
         if thin:
             j = tl.arange(0, WP)
             valid = j < n
@@ -305,7 +312,7 @@ if triton is not None:
                       qsl_ptr, seq_ptr, table_ptr, table_s0, keep_ptr, width, num_rows,
                       out_table_ptr, out_table_s0, out_seq_ptr,
                       new_pos_ptr, k, new_count_ptr, new_nb_ptr, new_last_ids_ptr, new_thin_ptr, totals_ptr,
-                      BS: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr):
+                      BS: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr):
         # One program per row: the row's choice at the step before, if it
         # still describes the row (topk_reuse), plus its new last block.
         r = tl.program_id(0)
@@ -342,7 +349,7 @@ if triton is not None:
         tl.store(new_nb_ptr + r, n)
         tl.store(new_last_ids_ptr + r, tl.load(row + tl.minimum(tl.maximum(n - 1, 0), width - 1)).to(tl.int64))
         tl.store(new_thin_ptr + r, ok.to(tl.int8))
-        _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, ok, count, n, RP)
+        _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, ok, count, n)
         tl.atomic_add(totals_ptr + 8, ok.to(tl.int64))                    # rows_reused
 
     _reuse_launch = _reuse_kernel.__getitem__
@@ -444,7 +451,7 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
         logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
         keep, out_table, out_table.stride(0), out_seq_lens, totals, *choice_args,
         CHOICE=choice is not None, BS=batch.block_size, HQ=num_heads,
-        HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2, RP=max(2, _pow2(rows)),
+        HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
         SINK=sink_blocks, LOCAL=local_blocks, num_warps=4 if width_pow2 <= 1024 else 8)
 
 
@@ -469,6 +476,6 @@ def reuse(last, batch, *, width: int, keep: torch.Tensor, out_table: torch.Tenso
         last.positions, last.positions.stride(0), k_last, rows_last, last.count, last.num_blocks, last.last_ids,
         last.thin, batch.query_start_loc, batch.seq_lens, table, table.stride(0), keep, width, rows,
         out_table, out_table.stride(0), out_seq_lens, positions, k, count, num_blocks, last_ids, thin, totals,
-        BS=batch.block_size, WP=width_pow2, KP=max(16, _pow2(k)), RP=max(2, _pow2(rows)),
+        BS=batch.block_size, WP=width_pow2, KP=max(16, _pow2(k)),
         num_warps=4 if width_pow2 <= 1024 else 8)
     return positions, count, num_blocks, last_ids, thin.view(torch.bool)
