@@ -9,14 +9,12 @@ import threading
 import time
 import uuid
 
-import numpy as np
 import pytest
 import torch
 
 from store_backends import open_store
 from ucm_connector import blockfmt, worker as worker_mod
 from ucm_connector.outcomes import OutcomeLog
-from ucm_connector.hashing import keys_for_rank
 from ucm_connector.counters import StatsCollector
 from ucm_connector.plans import BlockPlan
 
