@@ -229,33 +229,29 @@ class LayerLoads:
                 copy.order_stream()
 
     @staticmethod
-    def _order_after(job: _LayerJob) -> None:
-        # What the engine queues from now on (this step's saves, the next
-        # step) comes after every layer's copy, also after that of a layer
-        # whose attention never waited for it.
+    def _settled(job: _LayerJob | None) -> set[int]:
+        """The job's bad blocks, once it is done; what the engine queues
+        from now on (this step's saves, the next step) comes after every
+        layer's copy, also after that of a layer whose attention never
+        waited for it."""
+        if job is None:
+            return set()
+        job.done.wait()
         for scatter in job.scatters:
             scatter.abort().order_stream()
         for copy in job.copies:
             copy.order_stream()
+        return set(job.bad_block_ids)
 
     def step_failures(self) -> set[int]:
-        job = self._step_job
-        if job is None:
-            return set()
-        job.done.wait()
-        self._order_after(job)
-        return set(job.bad_block_ids)
+        return self._settled(self._step_job)
 
     def finished(self) -> set[str] | None:
         return None
 
     def take_errors(self) -> set[int]:
         job, self._job = self._job, None
-        if job is None:
-            return set()
-        job.done.wait()
-        self._order_after(job)
-        return set(job.bad_block_ids)
+        return self._settled(job)
 
     def close(self) -> None:
         self._thread.close()
