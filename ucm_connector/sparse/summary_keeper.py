@@ -170,13 +170,12 @@ class SummaryKeeper:
             # (bf16 copies measured no faster and lost agreement with parts).
             parts = self._parts if batch.block_size % self._parts == 0 else 1
             shape = (batch.num_cache_blocks, batch.block_size, batch.num_kv_heads, batch.head_size, torch.float32)
-            self._make_room(batch.layer_name, LayerSummaries.nbytes(*shape, parts=parts, bounds=self._bounds),
-                            device)
+            need = LayerSummaries.nbytes(*shape, parts=parts, bounds=self._bounds)
+            self._make_room(batch.layer_name, need, device)
             try:
                 layer = LayerSummaries(*shape, device, parts=parts, bounds=self._bounds, made_at=made_at)
             except torch.OutOfMemoryError:
-                self._no_room(batch.layer_name, LayerSummaries.nbytes(*shape, parts=parts, bounds=self._bounds),
-                              device)
+                self._no_room(batch.layer_name, need, device)
             self.layers[batch.layer_name] = layer
         if batch.pages is None:
             self._no_pages = True
