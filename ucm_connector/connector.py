@@ -66,7 +66,7 @@ class UCMWorkerMeta(KVConnectorWorkerMetadata):
 
 
 KEEP_POLICY_ENV = "UCM_KEEP_KV_LOAD_FAILURE_POLICY"
-_policy_logged: set[str] = set()
+_logged: set[str] = set()     # messages logged once per process
 
 
 def _policy_given() -> bool:
@@ -89,16 +89,16 @@ def settle_load_failure_policy(transfer_config) -> None:
     if policy != "fail":
         return
     if _policy_given():
-        if "kept" not in _policy_logged:
-            _policy_logged.add("kept")
+        if "kept" not in _logged:
+            _logged.add("kept")
             logger.warning(
                 "ucm-connector: kv_load_failure_policy is 'fail' as configured: a stored block that fails "
                 "its checks or is evicted between lookup and load fails its request (FINISHED_ERROR); "
                 "'recompute' is recommended: vLLM then recomputes the block and the request succeeds")
         return
     transfer_config.kv_load_failure_policy = "recompute"
-    if "switched" not in _policy_logged:
-        _policy_logged.add("switched")
+    if "switched" not in _logged:
+        _logged.add("switched")
         logger.info(
             "ucm-connector: kv_load_failure_policy set to 'recompute' (vLLM's default is 'fail'): a stored "
             "block that cannot be loaded is recomputed instead of failing its request; to keep 'fail', give "
@@ -125,9 +125,6 @@ def _open_store(config: UCMConfig, stats: StatsCollector | None = None):
     return pause_unavailable(store, None if stats is None else (lambda: stats.add(store_pauses=1)))
 
 
-_warned: set[str] = set()
-
-
 def _prefix_reusable(model_config) -> bool:
     """Whether a prompt's KV may be reused by prefix for this model, as
     vLLM decides for its own prefix cache: not for pooling models with
@@ -136,8 +133,8 @@ def _prefix_reusable(model_config) -> bool:
     connector then neither loads nor saves, and says so once."""
     if getattr(model_config, "is_prefix_caching_supported", True) is not False:
         return True
-    if "prefix" not in _warned:
-        _warned.add("prefix")
+    if "prefix" not in _logged:
+        _logged.add("prefix")
         logger.warning("ucm-connector: vLLM does not reuse this model's KV by prefix (pooler %s); the connector "
                        "neither loads nor saves", getattr(getattr(model_config, "pooler_config", None),
                                                           "seq_pooling_type", None) or "none")
