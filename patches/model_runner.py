@@ -12,6 +12,7 @@ too; its dummy and profile runs (``dummy_run=True``) are no steps.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from . import _core
@@ -92,12 +93,7 @@ EXECUTE_MODEL = Patch(
 )
 
 
-EXECUTE_MODEL_V2 = Patch(
-    name="model_runner_v2.execute_model",
-    module="vllm.v1.worker.gpu.model_runner",
-    owner="GPUModelRunner",
-    attr="execute_model",
-    params=("self", "scheduler_output"),
-    make=_make_execute_model,
-    check_more=lambda owner: _check_output(),
-)
+#: The same hook on vLLM's second runner (same class name, another module).
+EXECUTE_MODEL_V2 = dataclasses.replace(EXECUTE_MODEL, name="model_runner_v2.execute_model",
+                                       module="vllm.v1.worker.gpu.model_runner",
+                                       check_more=lambda owner: _check_output())
