@@ -29,22 +29,27 @@ import time
 LAUNCHERS = {"_fold_launch": "_fold_decode_kernel", "_logits_launch": "_block_logits_kernel",
              "_select_launch": "_select_kernel", "_reuse_launch": "_reuse_kernel"}
 
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int64": "i64", "int32": "i32",
-           "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
+def specialization(kernel_name: str, args) -> list:
+    """Each positional argument's type and what Triton specialises on, as
+    its launcher works them out on a GPU: ``[type, attribute]``, where an
+    int equal to 1 becomes ``["constexpr", 1]`` and the attribute "D" marks
+    a pointer or int divisible by 16; the arguments named in
+    ``triton_select.RUNTIME_INTS`` are not specialised."""
+    import inspect
 
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
 
-def _type(value) -> str:
-    import torch
+    from ucm_connector.sparse import triton_select
 
-    if isinstance(value, torch.Tensor):
-        return "*" + _DTYPES[str(value.dtype).removeprefix("torch.")]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2 ** 31) <= value < 2 ** 31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for an argument of type {type(value).__name__}")
+    kernel = getattr(triton_select, kernel_name)
+    params = list(inspect.signature(kernel.fn).parameters)
+    runtime = set(triton_select.RUNTIME_INTS[kernel_name])
+    out = []
+    for name, value in zip(params, args):
+        kind, attr = native_specialize_impl(BaseBackend, value, False, name not in runtime, True)
+        out.append([kind, attr])
+    return out
 
 
 @contextlib.contextmanager
@@ -61,8 +66,9 @@ def record(path: str):
             def run(*args, **kwargs):
                 options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
                 constants = {k: v for k, v in kwargs.items() if k not in options}
+                kernel = LAUNCHERS[name]
                 with open(path, "a") as f:
-                    f.write(json.dumps({"kernel": LAUNCHERS[name], "types": [_type(a) for a in args],
+                    f.write(json.dumps({"kernel": kernel, "specialization": specialization(kernel, args),
                                         "constants": constants, "options": options}) + "\n")
                 return launcher(*args, **kwargs)
             return run
@@ -94,18 +100,24 @@ def compile_variant(variant: dict, arch: int) -> float:
     import inspect
 
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 
     from ucm_connector.sparse import triton_select
 
     kernel = getattr(triton_select, variant["kernel"])
     params = list(inspect.signature(kernel.fn).parameters)
-    signature = dict(zip(params, variant["types"]))
+    signature, constexprs, attrs = {}, dict(variant["constants"]), {}
+    for i, (name, (kind, attr)) in enumerate(zip(params, variant["specialization"])):
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = attr
+        elif isinstance(attr, str):
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
     for name in variant["constants"]:
         signature[name] = "constexpr"
     t0 = time.perf_counter()
-    source = ASTSource(fn=kernel, signature=signature, constexprs=dict(variant["constants"]))
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     triton.compile(source, target=GPUTarget("cuda", arch, 32), options=variant["options"])
     return time.perf_counter() - t0
 

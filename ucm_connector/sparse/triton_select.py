@@ -42,7 +42,23 @@ def available() -> bool:
     return triton is not None
 
 
-def _pow2(n: int) -> int:
+#: Each kernel's integer arguments: sizes and strides, which Triton would
+#: otherwise compile a variant for by value (1, a multiple of 16, or
+#: neither).  They change from step to step (rows, the longest row) or
+#: between vLLM's tensors and a warm-up's, so none is specialised: the
+#: variants a layer can launch are set by its shapes, its flags and the
+#: power of two above the longest row alone, and ``BlockTopK.warm_up``
+#: launches every one of them at start-up.
+RUNTIME_INTS = {
+    "_fold_decode_kernel": ["key_s0", "key_s1", "kv_s0", "kv_s1"],
+    "_block_logits_kernel": ["q_s0", "q_s1", "table_s0", "width", "key_s0", "key_s1", "kv_s0", "kv_s1"],
+    "_select_kernel": ["width", "num_rows", "table_s0", "out_table_s0", "choice_k"],
+    "_reuse_kernel": ["pos_s0", "k_last", "rows_last", "table_s0", "width", "num_rows", "out_table_s0", "k"],
+}
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
@@ -69,7 +85,7 @@ if triton is not None:
         probe = tl.where(seen_start, probe.to(tl.float32), float("nan"))
         tl.store(probe_ptr + block * BS + tt, probe, mask=tt < BS)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=RUNTIME_INTS["_fold_decode_kernel"])
     def _fold_decode_kernel(key_ptr, key_s0, key_s1, slot_ptr, epochs_ptr, made_at_ptr,
                             sum_ptr, minmax_ptr, probe_ptr, kv_ptr, kv_s0, kv_s1,
                             BS: tl.constexpr, BSP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
@@ -108,7 +124,7 @@ if triton is not None:
                 if offset == BS - 1:
                     _take_probe(block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr, BS, BSP, D)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=RUNTIME_INTS["_block_logits_kernel"])
     def _block_logits_kernel(q_ptr, q_s0, q_s1, qsl_ptr, seq_ptr, table_ptr, table_s0,
                              sum_ptr, minmax_ptr, out_ptr, width, scale,
                              key_ptr, key_s0, key_s1, slot_ptr, epochs_ptr, made_at_ptr, probe_ptr,
@@ -247,7 +263,7 @@ if triton is not None:
                 any_decode = tl.maximum(any_decode, tl.max(((lens == 1) & inside).to(tl.int64), axis=0))
             tl.atomic_add(totals_ptr + 0, any_decode)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=RUNTIME_INTS["_select_kernel"])
     def _select_kernel(logits_ptr, width, num_rows, qsl_ptr, seq_ptr, table_ptr, table_s0,
                        keep_ptr, out_table_ptr, out_table_s0, out_seq_ptr, totals_ptr,
                        choice_pos_ptr, choice_k, choice_count_ptr, choice_nb_ptr, choice_last_ptr, choice_thin_ptr,
@@ -307,12 +323,12 @@ if triton is not None:
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=RUNTIME_INTS["_reuse_kernel"])
     def _reuse_kernel(pos_ptr, pos_s0, k_last, rows_last, count_ptr, nb_ptr, last_ids_ptr, thin_ptr,
                       qsl_ptr, seq_ptr, table_ptr, table_s0, keep_ptr, width, num_rows,
                       out_table_ptr, out_table_s0, out_seq_ptr,
                       new_pos_ptr, k, new_count_ptr, new_nb_ptr, new_last_ids_ptr, new_thin_ptr, totals_ptr,
-                      BS: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr):
+                      BS: tl.constexpr, WP: tl.constexpr):
         # One program per row: the row's choice at the step before, if it
         # still describes the row (topk_reuse), plus its new last block.
         r = tl.program_id(0)
@@ -327,7 +343,7 @@ if triton is not None:
         grew = n - nb_then
         ok = had & thin_then & thin_now & (was_last == last_id) & ((grew == 0) | (grew == 1))
         started = grew == 1
-        j = tl.arange(0, KP)
+        j = tl.arange(0, WP)
         # Positions are read only where a choice has them (a row it did not
         # thin has none written), and kept inside the row.
         pos = tl.load(pos_ptr + r * pos_s0 + j, mask=had & thin_then & (j < k_last) & (j < cnt), other=width)
@@ -390,7 +406,7 @@ def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: to
         key, key.stride(0), key.stride(1), slot_mapping, epochs, layer.made_at,
         layer.part_sum, layer.minmax if layer.minmax is not None else _dummy(device), layer.probe,
         kv, kv.stride(0) if view is not None else 0, kv.stride(1) if view is not None else 0,
-        BS=layer.block_size, BSP=_pow2(layer.block_size), H=h, HP=_pow2(h), D=d, DP=_pow2(d), P=layer.parts,
+        BS=layer.block_size, BSP=pow2(layer.block_size), H=h, HP=pow2(h), D=d, DP=pow2(d), P=layer.parts,
         PS=layer.part_size, BOUNDS=layer.minmax is not None, PROBE=view is not None, num_warps=1)
 
 
@@ -435,10 +451,10 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
     _logits_launch((rows, h, -(-width // tile)))(
         query, query.stride(0), query.stride(1), batch.query_start_loc, batch.seq_lens, table, table.stride(0),
         summaries, minmax, logits, width, float(batch.scale), *fold_args,
-        BS=batch.block_size, BSP=_pow2(batch.block_size), H=h, G=group, GP=_pow2(group), D=d, DP=_pow2(d),
+        BS=batch.block_size, BSP=pow2(batch.block_size), H=h, G=group, GP=pow2(group), D=d, DP=pow2(d),
         P=parts, PS=part_size, TJ=tile, BOUND=bound, Q_IN_ORDER=query_in_order, FOLD=fold is not None,
         PROBE=view is not None, num_warps=4)
-    width_pow2 = max(16, _pow2(width))
+    width_pow2 = max(16, pow2(width))
     assert keep.numel() >= width_pow2 + 1
     if choice is not None:
         positions = choice[0]
@@ -451,7 +467,7 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
         logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
         keep, out_table, out_table.stride(0), out_seq_lens, totals, *choice_args,
         CHOICE=choice is not None, BS=batch.block_size, HQ=num_heads,
-        HB=max(1, min(_pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
+        HB=max(1, min(pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
         SINK=sink_blocks, LOCAL=local_blocks, num_warps=4 if width_pow2 <= 1024 else 8)
 
 
@@ -464,18 +480,20 @@ def reuse(last, batch, *, width: int, keep: torch.Tensor, out_table: torch.Tenso
     counts, block counts, last block ids and thinned rows."""
     rows = batch.seq_lens.shape[0]
     rows_last, k_last = last.positions.shape
-    k = min(k_last + 1, out_table.shape[1])
+    width_pow2 = max(16, pow2(width))
+    # Room for one new block per row; a row's choice never holds more
+    # positions than the row has blocks, so the columns stop at
+    # ``width_pow2``, the kernel's one tile (its only size constant).
+    k = min(k_last + 1, out_table.shape[1], width_pow2)
     device = batch.seq_lens.device
     positions = torch.empty((rows, k), dtype=torch.int64, device=device)
     count, num_blocks, last_ids = (torch.empty(rows, dtype=torch.int64, device=device) for _ in range(3))
     thin = torch.empty(rows, dtype=torch.int8, device=device)
     table = batch.block_table
-    width_pow2 = max(16, _pow2(width))
     assert keep.numel() >= width_pow2 + 1
     _reuse_launch((rows,))(
         last.positions, last.positions.stride(0), k_last, rows_last, last.count, last.num_blocks, last.last_ids,
         last.thin, batch.query_start_loc, batch.seq_lens, table, table.stride(0), keep, width, rows,
         out_table, out_table.stride(0), out_seq_lens, positions, k, count, num_blocks, last_ids, thin, totals,
-        BS=batch.block_size, WP=width_pow2, KP=max(16, _pow2(k)),
-        num_warps=4 if width_pow2 <= 1024 else 8)
+        BS=batch.block_size, WP=width_pow2, num_warps=4 if width_pow2 <= 1024 else 8)
     return positions, count, num_blocks, last_ids, thin.view(torch.bool)
