@@ -34,6 +34,9 @@ Llama-3-8B attention shapes by default (32 query / 8 KV heads of 128, bf16,
   step after its first (``reselect_every``: a reused call folds the new keys
   and copies the choice, scoring nothing); the last column averages a
   scoring and a reusing step, what ``reselect_every: 2`` costs;
+* first of all, ``warm_up`` at start-up (``measure_warm_up``): its seconds,
+  and the Triton variants compiled during it and, at a few steps of every
+  context after it, since (0 is the design);
 * at the smallest context, the CPU torch path on copies of the same inputs
   chooses the same blocks as CUDA (rows equal; rows that differ show how
   many blocks were swapped).
@@ -518,6 +521,38 @@ def same_blocks_cpu_vs_cuda(work: Workload, kernels: str, steps: int = 2) -> dic
     return {"rows": rows, "equal": equal, "blocks_swapped_in_differing_rows": differing}
 
 
+def measure_warm_up(shapes: Shapes, contexts: list[int]) -> dict:
+    """``block_topk.warm_up`` on the longest context's block table, then a
+    prefix-hit step and two decode steps at every context: the warm-up's
+    seconds and launches, and the Triton kernel variants compiled (or loaded
+    from Triton's disk cache) during it and after it.  After it, 0 is the
+    design: serving compiles nothing."""
+    compiled: list[str] = []
+
+    def note(*, repr, **_):
+        compiled.append(repr)
+
+    knobs = triton.knobs.runtime
+    before, knobs.jit_post_compile_hook = knobs.jit_post_compile_hook, note
+    try:
+        method = _method("triton", shapes.keep_ratio)
+        works = [Workload(shapes, c, 1, DEVICE) for c in sorted(contexts)]
+        t0 = time.perf_counter()
+        launches = method.warm_up(works[-1].batches(1)[0])
+        torch.cuda.synchronize()
+        seconds, at_warm_up = time.perf_counter() - t0, len(compiled)
+        for work in works:
+            batches = work.batches(2)
+            work.step(method, batches, 1, work.started())
+            for step in (2, 3):
+                work.step(method, batches, step)
+        torch.cuda.synchronize()
+    finally:
+        knobs.jit_post_compile_hook = before
+    return {"seconds": round(seconds, 2), "launches": launches, "compiled_at_warm_up": at_warm_up,
+            "compiled_after": len(compiled) - at_warm_up, "after": compiled[at_warm_up:]}
+
+
 def run_context(shapes: Shapes, context: int, args, partial: list[dict]) -> dict:
     work = Workload(shapes, context, args.layers, DEVICE)
     res = {"context": context}
@@ -649,6 +684,11 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = Shapes(rows=args.rows, keep_ratio=args.keep_ratio)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', None)}; {shapes}", flush=True)
+    warm_up = None
+    if "triton" in args.paths and triton_select.available():
+        # First, while no kernel has been compiled in this process.
+        warm_up = measure_warm_up(shapes, args.contexts)
+        print(f"warm-up: {warm_up}", flush=True)
     results: list[dict] = []
     for context in sorted(args.contexts):
         print(f"context {context}", flush=True)
@@ -658,7 +698,7 @@ def main(argv: list[str] | None = None) -> dict:
     _save(args, results)
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": getattr(triton, "__version__", None), "shapes": dataclasses.asdict(shapes),
-            "results": results, "crossover": crossover(results)}
+            "results": results, "crossover": crossover(results), "warm_up": warm_up}
 
 
 if __name__ == "__main__":

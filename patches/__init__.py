@@ -34,7 +34,7 @@ from . import _core
 from ._core import Patch, PatchError, vllm_version
 
 __all__ = ["PatchError", "apply", "revert", "applied", "active_hooks", "patches_for_platform",
-           "check", "vllm_version", "apply_connector_patches", "layers_not_reached"]
+           "check", "vllm_version", "apply_connector_patches", "layers_not_reached", "example_batches"]
 
 logger = logging.getLogger("vllm.ucm_connector.patches")
 _lock = threading.Lock()
@@ -136,6 +136,29 @@ def layers_not_reached(forward_context: dict[str, Any]) -> dict[str, str]:
         if getattr(type(impl).forward, "__ucm_patch__", None) is None:
             missing[name] = type(impl).__name__
     return missing
+
+
+def example_batches(forward_context: dict[str, Any], kv_caches: dict[str, Any], dtype: Any,
+                    max_model_len: int) -> list[Any]:
+    """One example call (``attention.example_batch``) per kind of attention
+    layer the layer call hook reaches: layers alike in backend, head
+    counts, head size and cache are one kind.  ``kv_caches``: layer name ->
+    the cache vLLM registers with the connector."""
+    from .attention import example_batch
+
+    examples: dict[tuple, Any] = {}
+    for name, layer in forward_context.items():
+        kv_cache = kv_caches.get(name)
+        if kv_cache is None or getattr(layer, "impl", None) is None:
+            continue
+        impl = layer.impl
+        kind = (type(impl), impl.num_heads, impl.num_kv_heads, impl.head_size, kv_cache.dtype,
+                tuple(kv_cache.shape[1:]), kv_cache.stride())
+        if kind not in examples:
+            example = example_batch(name, layer, kv_cache, dtype, max_model_len)
+            if example is not None:
+                examples[kind] = example
+    return list(examples.values())
 
 
 def apply_connector_patches() -> bool:

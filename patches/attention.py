@@ -68,15 +68,19 @@ def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int
     )
 
 
-def _plain_decoder(impl: Any, key: Any, md: Any) -> bool:
+def _decoder_impl(impl: Any) -> bool:
+    """Whether a layer's impl is plain decoder self-attention, as far as
+    the impl alone tells."""
     from vllm.v1.attention.backend import AttentionType
 
-    return (md is not None and key is not None
-            and impl.attn_type == AttentionType.DECODER
+    return (impl.attn_type == AttentionType.DECODER
             and getattr(impl, "kv_sharing_target_layer_name", None) is None
             and impl.alibi_slopes is None
-            and impl.sliding_window in (-1, None, (-1, -1))
-            and md.causal is True)
+            and impl.sliding_window in (-1, None, (-1, -1)))
+
+
+def _plain_decoder(impl: Any, key: Any, md: Any) -> bool:
+    return md is not None and key is not None and _decoder_impl(impl) and md.causal is True
 
 
 def _hooked_forward(original: Callable, *, declines: Callable[[Any, Any], bool],
@@ -110,7 +114,35 @@ def _hooked_forward(original: Callable, *, declines: Callable[[Any, Any], bool],
         finally:
             hooks.after_attention(batch, selection)
 
+    forward.ucm_key_pages = key_pages          # for example_batch
     return forward
+
+
+def example_batch(name: str, layer: Any, kv_cache, dtype, max_model_len: int) -> AttentionBatch | None:
+    """A call of ``layer`` with no request in it, as the hook would hand it
+    to the method, for ``SparseMethod.warm_up`` at start-up: one padding
+    token of ``dtype`` (the model's), the dtypes of vLLM's attention
+    metadata (int32 offsets, lengths and block table, the table as wide as
+    ``max_model_len`` needs; int64 slots), the layer's cache and its pages.
+    None for a layer whose calls the hook never hands over."""
+    import torch
+
+    impl = getattr(layer, "impl", None)
+    key_pages = getattr(getattr(type(impl), "forward", None), "ucm_key_pages", None)
+    if impl is None or key_pages is None or not _decoder_impl(impl):
+        return None
+    device, block_size = kv_cache.device, kv_cache.shape[2]
+    return AttentionBatch(
+        layer_name=name, layer_index=_layer_index(name),
+        query=torch.zeros((1, impl.num_heads, impl.head_size), dtype=dtype, device=device),
+        key=torch.zeros((1, impl.num_kv_heads, impl.head_size), dtype=dtype, device=device),
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        seq_lens=torch.zeros(1, dtype=torch.int32, device=device),
+        block_table=torch.zeros((1, -(-max_model_len // block_size)), dtype=torch.int32, device=device),
+        block_size=block_size, num_cache_blocks=kv_cache.shape[0], num_kv_heads=impl.num_kv_heads,
+        head_size=impl.head_size, scale=impl.scale, pages=key_pages(impl, layer, kv_cache),
+        step=None, max_seq_len=0, max_query_len=1)
 
 
 def _forward_patch(name: str, module: str, owner: str, *, declines, key_pages, fix_up,

@@ -101,6 +101,49 @@ class KernelSpy:
         return out
 
 
+def signature(batch) -> str:
+    """What a kernel compiled for a layer call depends on: dtypes, shapes
+    past the first dimension, 16-byte alignment, the layer's sizes and how
+    its pages are read."""
+    def tensor(t):
+        return None if t is None else [str(t.dtype), list(t.shape[1:]), t.data_ptr() % 16 == 0]
+
+    pages = batch.pages
+    view = pages.key_view() if pages is not None else None
+    return json.dumps({
+        "query": tensor(batch.query), "key": tensor(batch.key), "slot_mapping": tensor(batch.slot_mapping),
+        "query_start_loc": tensor(batch.query_start_loc), "seq_lens": tensor(batch.seq_lens),
+        "block_table": tensor(batch.block_table), "sizes": [batch.block_size, batch.num_cache_blocks,
+                                                            batch.num_kv_heads, batch.head_size, batch.scale],
+        "pages": type(pages).__name__, "key_view": None if view is None else [tensor(view), list(view.stride())],
+    }, sort_keys=True)
+
+
+class SignatureSpy:
+    """The signatures of the example calls ``block_topk`` is warmed up on
+    at start-up and of the layer calls it is handed while serving."""
+
+    def __init__(self) -> None:
+        self.warm_up: set[str] = set()
+        self.calls: set[str] = set()
+
+    def install(self) -> None:
+        from ucm_connector.sparse.block_topk import BlockTopK
+
+        warm_up, before = BlockTopK.warm_up, BlockTopK.before_attention
+        spy = self
+
+        def spied_warm_up(method, example):
+            spy.warm_up.add(signature(example))
+            return warm_up(method, example)
+
+        def spied_before(method, batch):
+            spy.calls.add(signature(batch))
+            return before(method, batch)
+
+        BlockTopK.warm_up, BlockTopK.before_attention = spied_warm_up, spied_before
+
+
 def build_llm(spec: dict):
     from vllm import LLM
 
@@ -153,6 +196,8 @@ def main(spec_path: str, out_path: str) -> int:
         _register_test_methods()
         spy = KernelSpy()
         spy.install()
+        signatures = SignatureSpy()
+        signatures.install()
         if spec.get("sparse") and spec.get("activate", True):
             apply_sparse(spec["sparse"])
         llm = build_llm(spec)
@@ -194,6 +239,7 @@ def main(spec_path: str, out_path: str) -> int:
             res["op"] = op
             result["steps"][name] = res
             dump()
+        result["signatures"] = {"warm_up": sorted(signatures.warm_up), "calls": sorted(signatures.calls)}
         result["ok"] = True
     except BaseException as exc:
         result["error"] = "".join(traceback.format_exception(exc))

@@ -231,3 +231,10 @@ def test_the_sparse_option_alone_turns_the_method_on_in_the_worker():
     run = out["steps"]["long"]
     assert run["method"]["sparse_rows"] > 0
     assert run["kernel"]["blocks"] < run["method"]["blocks_dense"]
+    # The connector warmed the method up at start-up on one example call
+    # (every layer of the model is alike), whose dtypes, shapes, alignment
+    # and pages are those of every call vLLM then made: kernels compiled
+    # for it are the ones serving launches.
+    signatures = out["signatures"]
+    assert len(signatures["warm_up"]) == 1
+    assert signatures["calls"] == signatures["warm_up"]

@@ -18,6 +18,7 @@ or its interpreter with ``TRITON_INTERPRET=1``), through its kernels:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 
@@ -26,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from patches.attention import FlashKeyPages
-from ucm_connector.sparse import AttentionBatch, RequestStart, StepInfo, triton_select
+from ucm_connector.sparse import AttentionBatch, RequestStart, SparseStats, StepInfo, triton_select
 from ucm_connector.sparse.block_topk import BlockTopK, BlockTopKOptions
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -51,7 +52,7 @@ class Requests:
     request's keys have a few "hot" blocks lined up with its query."""
 
     def __init__(self, device, lens, q_lens, block_size=16, heads=6, kv_heads=2, head=64, seed=0,
-                 spare_blocks=5):
+                 spare_blocks=5, table_width=None):
         gen = torch.Generator().manual_seed(seed)
         self.device = torch.device(device)
         self.lens, self.q_lens = list(lens), list(q_lens)
@@ -64,7 +65,7 @@ class Requests:
         for c in counts:
             self.tables.append(order[at:at + c])
             at += c
-        width = max(counts) + 3
+        width = table_width or max(counts) + 3
         self.table = torch.zeros(len(lens), width, dtype=torch.int32)
         for i, t in enumerate(self.tables):
             self.table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -763,3 +764,56 @@ def test_the_kernels_keep_the_choice_the_torch_path_keeps():
         assert getattr(kernel_choice, name).tolist() == getattr(torch_choice, name).tolist(), name
     for row, k in enumerate(torch_choice.count.tolist()):
         assert kernel_choice.positions[row, :k].tolist() == torch_choice.positions[row, :k].tolist()
+
+
+# -- Triton kernels compiled at start-up, never while serving ----------------------------------
+
+def _launched(path) -> set[str]:
+    from ucm_testing.triton_variants import variants
+
+    return {json.dumps(v, sort_keys=True) for v in variants(str(path))} if path.exists() else set()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not triton_select.available(),
+                    reason="runs Triton's interpreter (make test-kernels)")
+@pytest.mark.parametrize("options", [
+    {"keep_ratio": 0.25, "dense_below": 256},
+    {"budget_blocks": 5, "reselect_every": 2, "score": "bound", "dense_below": 400},
+    {"keep_ratio": 0.3, "parts": 2, "reselect_every": 3},
+])
+def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, options):
+    from ucm_testing.triton_variants import record
+
+    # vLLM's block table has one width for the engine's life: 120 blocks here.
+    table = 120
+    method = _method(options, "triton")
+    warm, served = tmp_path / "warm.jsonl", tmp_path / "served.jsonl"
+    example = Requests("cpu", [40], [1], table_width=table).step("layers.0", 1)
+    with record(str(warm)):
+        launches = method.warm_up(example)
+    assert launches > 0 and method.stats() == SparseStats() and method._layers == {}
+    # Serving: batches of 1, 2, 3 and 17 rows, decode steps (scored and
+    # reused), a mixed step (one row still in prefill), a method started
+    # while requests run (its first steps check what they read), and
+    # longest rows from 16 to 100 blocks.
+    with record(str(served)):
+        for n, (lens, q_lens, running) in enumerate([
+            ([1380], [1], False), ([900, 40], [1, 1], False), ([700, 1200, 300], [1, 6, 1], False),
+            ([60 + 33 * i for i in range(17)], [1] * 17, False), ([256, 100], [1, 1], False), ([500], [1], False),
+            ([1600, 520], [1, 1], True),
+        ]):
+            reqs = Requests("cpu", lens, q_lens, seed=n, table_width=table)
+            reqs.req_ids = [f"b{n}r{i}" for i in range(len(lens))]
+            if running:
+                method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+            else:
+                reqs.start(method)
+            for step, back in enumerate((3, 2, 1, 0)):
+                method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+                if q_lens != [1] * len(lens) and back == 0:
+                    method.before_attention(reqs.step("layers.0", 10 * n + step + 2))
+                else:
+                    method.before_attention(_decode(reqs, "layers.0", 10 * n + step + 2, back))
+    assert method.stats().sparse_rows > 0
+    missed = _launched(served) - _launched(warm)
+    assert not missed, "served variants the warm-up did not launch:\n" + "\n".join(sorted(missed))

@@ -272,9 +272,11 @@ class UCMConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
         if self.config.sparse:
-            from .plugin import warn_of_dense_layers
+            from .plugin import warm_up_sparse, warn_of_dense_layers
 
-            warn_of_dense_layers(getattr(self, "_vllm_config", None))
+            vllm_config = getattr(self, "_vllm_config", None)
+            warn_of_dense_layers(vllm_config)
+            warm_up_sparse(vllm_config, kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

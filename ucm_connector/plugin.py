@@ -8,6 +8,7 @@ core, each worker), so registering must be cheap and harmless to repeat.
 from __future__ import annotations
 
 import logging
+import time
 
 logger = logging.getLogger("vllm.ucm_connector.plugin")
 
@@ -77,6 +78,34 @@ def warn_of_dense_layers(vllm_config) -> dict[str, str]:
             "start vLLM with --attention-backend FLASH_ATTN to thin them", len(missing),
             sum(1 for layer in context.values() if getattr(layer, "impl", None) is not None), backends)
     return missing
+
+
+def warm_up_sparse(vllm_config, kv_caches: dict) -> int:
+    """Once the KV cache exists, at start-up: the active sparse method does
+    what its layer calls would otherwise do in the middle of serving
+    (``SparseMethod.warm_up``: on CUDA, compiling its Triton kernels), with
+    one example call per kind of attention layer.  Returns the launches
+    made.  A failure costs the warm-up, not the engine: the kernels then
+    compile at their first call."""
+    import patches
+
+    hooks = patches.active_hooks()
+    if hooks is None or vllm_config is None:
+        return 0
+    started, launches = time.perf_counter(), 0
+    try:
+        context = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+        model = vllm_config.model_config
+        for example in patches.example_batches(context, kv_caches, model.dtype, model.max_model_len):
+            launches += hooks.warm_up(example)
+    except Exception as exc:  # never stop the engine for it
+        logger.warning("ucm-connector: warming up the sparse attention kernels failed (%s: %s)"
+                       "; they will compile at their first call instead", type(exc).__name__, exc)
+        return launches
+    if launches:
+        logger.info("ucm-connector: sparse attention kernels warmed up (%d launches, %.1f s)", launches,
+                    time.perf_counter() - started)
+    return launches
 
 
 def full_cuda_graphs(vllm_config) -> bool:

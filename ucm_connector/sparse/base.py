@@ -183,6 +183,14 @@ class SparseMethod(abc.ABC):
         """Build from the options (everything but ``method``); raise
         ``SparseConfigError`` naming a bad option."""
 
+    def warm_up(self, example: AttentionBatch) -> int:
+        """Called at start-up, once per kind of attention layer, with a call
+        of it that carries vLLM's shapes and dtypes (no tokens of any
+        request): do now what would otherwise hold up a step in the middle
+        of serving (compiling kernels).  Returns how many launches that
+        took; must leave the method's state as it was."""
+        return 0
+
     def begin_step(self, step: StepInfo) -> None:
         """Called once per model-runner step, before its forward."""
 

@@ -53,7 +53,9 @@ a decode layer call is two kernels (``triton_select.py``): score every block
 through the block table while folding the new keys into the summaries, then
 soft-max / top-k / order / write the selection per row; a call that
 reuses a choice (``reselect_every``) is two kernels too: the fold, then one
-program per row that copies the choice.  The torch path
+program per row that copies the choice.  Every variant of them that the
+layer can launch is compiled at start-up (``warm_up``), none while serving.
+The torch path
 (``torch_select.py``: CPU, or CUDA without Triton) computes the same
 selection with a few dozen ops, also without waiting.  Only two rare
 situations wait: the steps after the method starts while requests are
@@ -154,6 +156,68 @@ class BlockTopK(SparseMethod):
             with torch.inference_mode():
                 self._totals += plan.call_increment * plan.uncounted_calls
             plan.uncounted_calls = 0
+
+    # -- start-up ------------------------------------------------------------
+
+    def warm_up(self, example: AttentionBatch) -> int:
+        """Launch once, on scratch tensors, every Triton kernel variant that
+        calls of ``example``'s layer can launch, so that none is compiled in
+        the middle of serving (a compile holds up every running request,
+        about a second each on a GPU machine's first run).  A variant is set
+        by the layer's shapes and dtypes, these options, the kind of call
+        (decode rows only or not; keys folded in the scoring launch or
+        before it; a choice reused) and the power of two above the longest
+        row's block count: from the first count that can be thinned
+        (``dense_below``, the budget) to the block table's width.  Only the
+        example's dtypes and shapes matter.  Returns the launches made (0
+        where the torch path runs)."""
+        device = example.query.device
+        if not self._use_triton(device) or self._thin_from is None or example.key is None:
+            return 0
+        block_size, top = example.block_size, example.block_table.shape[1]
+        first = max(self._thin_from, -(-self.options.dense_below_on(device) // block_size))
+        if first > top:
+            return 0
+        # One decode row with nothing in it: the kernels read and write no block.
+        batch = dataclasses.replace(
+            example, layer_name="warm-up", query=example.query[:1], key=example.key[:1],
+            slot_mapping=torch.full_like(example.slot_mapping[:1], -1),
+            query_start_loc=torch.tensor([0, 1], dtype=example.query_start_loc.dtype, device=device),
+            seq_lens=torch.zeros(1, dtype=example.seq_lens.dtype, device=device),
+            block_table=torch.zeros((1, top), dtype=example.block_table.dtype, device=device),
+            num_cache_blocks=1, step=None, max_query_len=1)
+        layer = self._keeper.scratch_layer(batch)
+        epochs = torch.zeros(2, dtype=torch.int64, device=device)
+        totals = torch.zeros(len(STATS), dtype=torch.int64, device=device)
+        kept = KeptChoices(self.options.reselect_every)
+        triton_select.fold_decode(layer, batch.key, batch.slot_mapping, epochs, batch.pages)
+        launches = 1
+        wp, last_wp = max(16, triton_select.pow2(first)), max(16, triton_select.pow2(top))
+        # (decode rows only, keys folded in the scoring launch): the scoring
+        # launch's variants, the same at every width.
+        kinds = ((True, (epochs,)), (True, None), (False, None))
+        while wp <= last_wp:
+            plan = StepPlan.make(None, dataclasses.replace(batch, max_seq_len=min(wp, top) * block_size),
+                                 self.options, self._thin_from)
+            table, seq_lens = plan.outputs(batch)
+            keep = self._keep_table(plan.width, device)
+            for decode_only, fold in kinds:
+                choice = kept.buffers(1, plan.keep_max, device)
+                triton_select.score_and_select(
+                    layer, batch, width=plan.width, keep=keep, sink_blocks=self.options.sink_blocks,
+                    local_blocks=self.options.local_blocks, bound=self.options.score == "bound",
+                    query_in_order=decode_only, out_table=table, out_seq_lens=seq_lens, totals=totals,
+                    logits=plan.logits(batch), fold=fold, choice=choice)
+                launches += 2
+                if choice is not None:
+                    kept.keep(batch.layer_name, choice)
+            if kept.every > 1:
+                kept.new_step()
+                kept.reuse(batch.layer_name, batch, plan, (keep, totals))
+                launches += 1
+            kinds = kinds[-1:]
+            wp *= 2
+        return launches
 
     # -- layer ---------------------------------------------------------------
 

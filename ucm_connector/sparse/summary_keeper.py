@@ -148,6 +148,18 @@ class SummaryKeeper:
         are not current (and so wait for it once per step)."""
         return self._unseen_reqs is None or bool(self._unseen_reqs) or self._no_pages
 
+    def _shape(self, batch: AttentionBatch, num_blocks: int) -> tuple[tuple, int]:
+        # fp32 summaries: scoring reads them as fp32 without a conversion
+        # (bf16 copies measured no faster and lost agreement with parts).
+        parts = self._parts if batch.block_size % self._parts == 0 else 1
+        return (num_blocks, batch.block_size, batch.num_kv_heads, batch.head_size, torch.float32), parts
+
+    def scratch_layer(self, batch: AttentionBatch) -> LayerSummaries:
+        """Summaries of one block, made as ``batch``'s layer's would be
+        (kernels compiled for one serve the other); nothing is kept."""
+        shape, parts = self._shape(batch, 1)
+        return LayerSummaries(*shape, batch.query.device, parts=parts, bounds=self._bounds)
+
     def layer(self, batch: AttentionBatch) -> LayerSummaries:
         """The summaries of ``batch``'s layer, made (again) where there are
         none for a cache of this size; notes a layer whose pages cannot be
@@ -166,10 +178,7 @@ class SummaryKeeper:
                 self.layers.clear()
                 made_at = self._made_at = torch.full((batch.num_cache_blocks + 1,), -1, dtype=torch.int64,
                                                      device=device)
-            # fp32 summaries: scoring reads them as fp32 without a conversion
-            # (bf16 copies measured no faster and lost agreement with parts).
-            parts = self._parts if batch.block_size % self._parts == 0 else 1
-            shape = (batch.num_cache_blocks, batch.block_size, batch.num_kv_heads, batch.head_size, torch.float32)
+            shape, parts = self._shape(batch, batch.num_cache_blocks)
             need = LayerSummaries.nbytes(*shape, parts=parts, bounds=self._bounds)
             self._make_room(batch.layer_name, need, device)
             try:
