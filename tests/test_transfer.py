@@ -498,14 +498,15 @@ def logged_streams(monkeypatch):
     compute = _LoggedStream(log, "compute")
 
     class Event:
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args, blocking=False, **kwargs):
             self.name = f"event{next(count)}"
+            self.blocking = blocking
 
         def record(self, stream=None):
             log.append((stream.name, "records", self.name))
 
         def synchronize(self):
-            log.append((self.name, "synchronized", None))
+            log.append((self.name, "synchronized", "sleeping" if self.blocking else "spinning"))
 
         def query(self):
             return True
@@ -610,6 +611,19 @@ def test_a_cuda_copy_that_fails_half_way_waits_for_what_it_issued_on_cpu_tensors
     assert calls == [0, 1]
     copy([1], rows)
     assert calls == [0, 1, 1]                      # three chunks were planned: slot 1 is next
+
+
+def test_a_host_thread_that_waits_for_a_cuda_copy_sleeps_on_cpu_tensors(logged_streams):
+    """The events a host thread waits on (a save's rows written, a load's
+    pages written) are blocking ones: the writer or loader sleeps until the
+    device signals, rather than spinning a core through the copy."""
+    _, src = _vllm("LBNHC", "cpu")
+    transfer, pool = _cuda_path(src, 1 << 20)
+    rows = pool.take(2)
+    transfer.gather_rows([0, 3], rows).synchronize()
+    transfer.scatter_rows([1, 2], rows, ordered=False).synchronize()
+    waits = [entry[2] for entry in logged_streams if entry[1] == "synchronized" and entry[0].startswith("event")]
+    assert waits == ["sleeping"] * 4
 
 
 # -- CUDA ordering -------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 from . import cudart
 from .pages import WORDS
 from .rows import HostRows
-from .staging import ids_on_device, round_up
+from .staging import host_event, ids_on_device, round_up
 from .transfer import Transfer
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class LayerGather:
         if self._cuda:
             self._staging = transfer.layer_staging("gather")
             self._ids = ids_on_device(transfer.device, self.block_ids, self._staging.stream)
-            self._pages_read = torch.cuda.Event()
+            self._pages_read = host_event()
 
     @property
     def rows(self) -> HostRows:
@@ -127,7 +127,7 @@ class LayerGather:
             if not self._cuda or not self.block_ids:
                 self._finished = Transfer()
             else:
-                host_done = torch.cuda.Event()
+                host_done = host_event()
                 host_done.record(self._staging.stream)
                 torch.cuda.current_stream(self._transfer.device).wait_event(self._pages_read)
                 self._finished = Transfer(host_done, self._pages_read)
@@ -240,7 +240,7 @@ class LayerScatter:
             if not self._cuda or not self.block_ids:
                 self._finished = Transfer()
             else:
-                done = torch.cuda.Event()
+                done = host_event()
                 done.record(self._staging.stream)
                 self._finished = Transfer(done, done)
         return self._finished

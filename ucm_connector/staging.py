@@ -123,11 +123,21 @@ class StagingRing:
         """``(host_done, pages_done)``: events behind all that is queued so
         far on the copy stream (the host rows are written or read) and on
         the kernel stream (the pages are read or written)."""
-        host_done = torch.cuda.Event()
+        host_done = host_event()
         host_done.record(self.copy_stream)
-        pages_done = torch.cuda.Event()
+        pages_done = host_event()
         pages_done.record(self.kernel_stream)
         return host_done, pages_done
+
+
+def host_event() -> torch.cuda.Event:
+    """An event that a host thread may wait for (``Transfer.wait`` and
+    ``synchronize``: the writer, the loader, a row pool short of rows).
+    The thread sleeps until the device signals it, instead of spinning a
+    core for the whole copy (tens of milliseconds for a large save) that
+    vLLM's own threads and processes on the host could use; waking costs
+    microseconds, against copies of milliseconds."""
+    return torch.cuda.Event(blocking=True)
 
 
 def ids_on_device(device: torch.device, values, stream: torch.cuda.Stream) -> torch.Tensor:
