@@ -774,46 +774,63 @@ def _launched(path) -> set[str]:
     return {json.dumps(v, sort_keys=True) for v in variants(str(path))} if path.exists() else set()
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not triton_select.available(),
-                    reason="runs Triton's interpreter (make test-kernels)")
+@pytest.mark.parametrize("device", [d for d, k in PATHS if k == "triton"])
 @pytest.mark.parametrize("options", [
     {"keep_ratio": 0.25, "dense_below": 256},
     {"budget_blocks": 5, "reselect_every": 2, "score": "bound", "dense_below": 400},
     {"keep_ratio": 0.3, "parts": 2, "reselect_every": 3},
 ])
-def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, options):
+def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, device, options):
+    """Variants as Triton tells them apart on a GPU (argument types, what
+    it specialises on, constants, options), recorded under the interpreter
+    or on CUDA; on CUDA, Triton itself also compiles nothing after the
+    warm-up."""
     from ucm_testing.triton_variants import record
 
     # vLLM's block table has one width for the engine's life: 120 blocks here.
     table = 120
     method = _method(options, "triton")
     warm, served = tmp_path / "warm.jsonl", tmp_path / "served.jsonl"
-    example = Requests("cpu", [40], [1], table_width=table).step("layers.0", 1)
+    example = Requests(device, [40], [1], table_width=table).step("layers.0", 1)
     with record(str(warm)):
         launches = method.warm_up(example)
     assert launches > 0 and method.stats() == SparseStats() and method._layers == {}
+    compiled: list[str] = []
+    if device == "cuda":
+        import triton
+
+        def note(*, repr, **_):
+            compiled.append(repr)
+
+        knobs = triton.knobs.runtime
+        before, knobs.jit_post_compile_hook = knobs.jit_post_compile_hook, note
     # Serving: batches of 1, 2, 3 and 17 rows, decode steps (scored and
     # reused), a mixed step (one row still in prefill), a method started
     # while requests run (its first steps check what they read), and
     # longest rows from 16 to 100 blocks.
-    with record(str(served)):
-        for n, (lens, q_lens, running) in enumerate([
-            ([1380], [1], False), ([900, 40], [1, 1], False), ([700, 1200, 300], [1, 6, 1], False),
-            ([60 + 33 * i for i in range(17)], [1] * 17, False), ([256, 100], [1, 1], False), ([500], [1], False),
-            ([1600, 520], [1, 1], True),
-        ]):
-            reqs = Requests("cpu", lens, q_lens, seed=n, table_width=table)
-            reqs.req_ids = [f"b{n}r{i}" for i in range(len(lens))]
-            if running:
-                method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
-            else:
-                reqs.start(method)
-            for step, back in enumerate((3, 2, 1, 0)):
-                method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
-                if q_lens != [1] * len(lens) and back == 0:
-                    method.before_attention(reqs.step("layers.0", 10 * n + step + 2))
+    try:
+        with record(str(served)):
+            for n, (lens, q_lens, running) in enumerate([
+                ([1380], [1], False), ([900, 40], [1, 1], False), ([700, 1200, 300], [1, 6, 1], False),
+                ([60 + 33 * i for i in range(17)], [1] * 17, False), ([256, 100], [1, 1], False),
+                ([500], [1], False), ([1600, 520], [1, 1], True),
+            ]):
+                reqs = Requests(device, lens, q_lens, seed=n, table_width=table)
+                reqs.req_ids = [f"b{n}r{i}" for i in range(len(lens))]
+                if running:
+                    method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
                 else:
-                    method.before_attention(_decode(reqs, "layers.0", 10 * n + step + 2, back))
+                    reqs.start(method)
+                for step, back in enumerate((3, 2, 1, 0)):
+                    method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+                    if q_lens != [1] * len(lens) and back == 0:
+                        method.before_attention(reqs.step("layers.0", 10 * n + step + 2))
+                    else:
+                        method.before_attention(_decode(reqs, "layers.0", 10 * n + step + 2, back))
+    finally:
+        if device == "cuda":
+            knobs.jit_post_compile_hook = before
     assert method.stats().sparse_rows > 0
     missed = _launched(served) - _launched(warm)
     assert not missed, "served variants the warm-up did not launch:\n" + "\n".join(sorted(missed))
+    assert compiled == []
