@@ -17,6 +17,7 @@ Spec::
      "store": URL | null,            # UCMConnector with this store, or none
      "extra_config": {...},          # more kv_connector_extra_config keys
      "sparse": {...} | null,         # a method on from the start (and in extra_config)
+     "speculative": {...} | null,    # vLLM's speculative_config
      "activate": true,               # false: leave turning it on to the connector
      "steps": [...]}
 
@@ -71,11 +72,14 @@ def _register_test_methods() -> None:
 
 class KernelSpy:
     """Counts the blocks the CPU attention kernel is handed for decode rows
-    (query length 1): ceil(seq_len / block_size) per row, per layer call."""
+    (query length 1): ceil(seq_len / block_size) per row, per layer call;
+    and the rows of 2 to 4 query tokens (with speculative decoding: a
+    request verifying draft tokens)."""
 
     def __init__(self) -> None:
         self.calls = 0
         self.blocks = 0
+        self.verify_rows = 0
 
     def install(self) -> None:
         from vllm.v1.attention.backends import cpu_attn
@@ -87,7 +91,9 @@ class KernelSpy:
         def counted(*args, **kwargs):
             qsl, seq_lens = kwargs["query_start_loc"], kwargs["seq_lens"]
             block_size = kwargs["key_cache"].shape[2]
-            decode = (qsl[1:] - qsl[:-1]) == 1
+            q_lens = qsl[1:] - qsl[:-1]
+            decode = q_lens == 1
+            spy.verify_rows += int(((q_lens > 1) & (q_lens <= 4)).sum())
             if bool(decode.any()):
                 spy.calls += 1
                 spy.blocks += int(((seq_lens[decode] + block_size - 1) // block_size).sum())
@@ -96,8 +102,8 @@ class KernelSpy:
         ops.cpu_attention_with_kv_cache = counted
 
     def take(self) -> dict:
-        out = {"calls": self.calls, "blocks": self.blocks}
-        self.calls = self.blocks = 0
+        out = {"calls": self.calls, "blocks": self.blocks, "verify_rows": self.verify_rows}
+        self.calls = self.blocks = self.verify_rows = 0
         return out
 
 
@@ -153,6 +159,8 @@ def build_llm(spec: dict):
         enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
     )
+    if spec.get("speculative"):
+        kwargs["speculative_config"] = spec["speculative"]
     if spec.get("num_blocks"):
         kwargs["num_gpu_blocks_override"] = int(spec["num_blocks"])
     if spec.get("store") is not None:

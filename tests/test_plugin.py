@@ -134,3 +134,15 @@ def test_pipeline_and_context_parallelism_are_refused_at_start_up(tmp_path):
     with pytest.raises(RuntimeError, match="decode_context_parallel_size 2 is not supported"):
         _refuse_unsupported_parallelism(SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2))
     _refuse_unsupported_parallelism(SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=4))
+
+
+def test_sparse_attention_with_speculative_decoding_warns_that_it_may_thin_nothing(caplog):
+    from types import SimpleNamespace
+
+    from ucm_connector.plugin import _warn_of_speculation
+
+    assert _warn_of_speculation(SimpleNamespace(speculative_config=None)) is False
+    assert "speculative" not in caplog.text
+    engine = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3))
+    assert _warn_of_speculation(engine) is True
+    assert "with speculative decoding (ngram, 3 draft tokens)" in caplog.text

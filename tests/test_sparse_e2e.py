@@ -39,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RUNNER = os.path.join(HERE, "sparse_runner.py")
 TINY = os.path.join(ROOT, "models", "tiny-llama")
+SMOL = os.path.join(ROOT, "models", "smollm2-135m")
 BLOCK = 128
 TIMEOUT_S = float(os.environ.get("UCM_E2E_TIMEOUT", "600"))
 
@@ -154,6 +155,54 @@ def test_revert_restores_dense_in_the_same_process(main_run):
     assert main_run["reverted"]["patched"] is False
     assert main_run["reverted"]["outputs"] == main_run["dense"]["outputs"]
     assert main_run["reverted"]["kernel"] == main_run["dense"]["kernel"]
+
+
+# -- speculative decoding ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def speculative_run():
+    # Text that repeats itself, which a trained model goes on repeating:
+    # n-gram speculation finds drafts, and they are accepted.
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(SMOL, "tokenizer.json"))
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], "textwrap.py"), encoding="utf-8") as f:
+        text = f.read()
+    prompts = [tok.encode(text[:1500] * 4).ids, tok.encode(text[3000:5000] * 3).ids]
+    steps = [
+        _gen("dense", prompts, max_tokens=32),
+        {"op": "sparse", "config": {"method": "test_all_blocks"}},
+        _gen("all_blocks", prompts, max_tokens=32),
+        {"op": "sparse", "config": {"method": "block_topk", "keep_ratio": 1.0}},
+        _gen("topk_everything", prompts, max_tokens=32),
+        {"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3}},
+        _gen("topk_3", prompts, max_tokens=32),
+    ]
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return _run("speculative", {"model": SMOL, "speculative": speculative, "steps": steps})["steps"]
+
+
+def test_under_speculative_decoding_a_method_that_reads_every_block_gives_dense_outputs(speculative_run):
+    """Rows that verify draft tokens (several query tokens) go through the
+    patch like any other: read whole, they give vLLM's own tokens."""
+    dense = speculative_run["dense"]
+    assert dense["kernel"]["verify_rows"] > 0            # drafts were verified
+    for name in ("all_blocks", "topk_everything", "topk_3"):
+        run = speculative_run[name]
+        assert run["patched"] is True and run["kernel"]["verify_rows"] > 0, name
+    for name in ("all_blocks", "topk_everything"):
+        assert speculative_run[name]["outputs"] == dense["outputs"], name
+
+
+def test_under_speculative_decoding_rows_that_verify_drafts_are_not_thinned(speculative_run):
+    # Here every decode step of both requests verifies drafts: no row has a
+    # single query token, so a budget of 3 blocks thins nothing (what the
+    # connector's start-up warning says) and the tokens are dense's.
+    run = speculative_run["topk_3"]
+    method, kernel = run["method"], run["kernel"]
+    assert kernel["calls"] == 0 and kernel["verify_rows"] == speculative_run["dense"]["kernel"]["verify_rows"]
+    assert method["decode_rows"] == method["sparse_rows"] == 0
+    assert run["outputs"] == speculative_run["dense"]["outputs"]
 
 
 # -- compiled model -------------------------------------------------------------------

@@ -51,6 +51,7 @@ def apply_sparse(sparse, vllm_config=None):
         return patches.active_hooks()
     if vllm_config is not None:
         _refuse_full_cuda_graphs(vllm_config)
+        _warn_of_speculation(vllm_config)
     method = build_method(option)
     patches.apply(method)
     _sparse_option = option
@@ -58,6 +59,20 @@ def apply_sparse(sparse, vllm_config=None):
 
 
 _sparse_option: dict | None = None
+
+
+def _warn_of_speculation(vllm_config) -> bool:
+    """Sparse attention thins rows of one query token; with speculative
+    decoding a request verifies its draft tokens at every step it has
+    some, and such a row is read whole."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is None:
+        return False
+    logger.warning(
+        "ucm-connector: with speculative decoding (%s, %s draft tokens) sparse attention reads whole every request "
+        "that verifies draft tokens at a step, and thins only steps without drafts: it may thin little or nothing",
+        getattr(speculative, "method", "?"), getattr(speculative, "num_speculative_tokens", "?"))
+    return True
 
 
 def warn_of_dense_layers(vllm_config) -> dict[str, str]:
