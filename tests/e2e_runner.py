@@ -18,6 +18,7 @@ Spec::
      "max_model_len": 4096,
      "kv_events_port": null,             # publish KV events over ZMQ on this port
      "lora": null,                       # {"max_lora_rank": 8, "max_loras": 2}: serve LoRA
+     "speculative": null,                # vLLM's speculative_config
      "engines": [{...}, ...],            # several engines alive at once: each a
                                          # dict of the keys above overriding the
                                          # spec's; steps pick one with "engine": i
@@ -242,6 +243,8 @@ def build_llm(spec: dict):
                                       "topic": "kv"}
     if spec.get("lora"):
         kwargs.update(enable_lora=True, **spec["lora"])
+    if spec.get("speculative"):
+        kwargs["speculative_config"] = spec["speculative"]
     if spec.get("pooling"):
         from vllm.config import PoolerConfig
 
@@ -267,13 +270,14 @@ def _prompt_tokens(p: dict, results: dict) -> list[int]:
 
 
 def prefix_cache_counters(llm) -> dict[str, float]:
-    """vLLM's prefix-cache counters (local and external), summed over labels."""
+    """vLLM's prefix-cache counters (local and external), the connector's,
+    preemptions and speculative decoding's, summed over labels."""
     from vllm.v1.metrics.reader import Counter
 
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
         if isinstance(metric, Counter) and ("prefix_cache" in metric.name or "ucm_" in metric.name
-                                            or "preemption" in metric.name):
+                                            or "preemption" in metric.name or "spec_decode" in metric.name):
             out[metric.name] = out.get(metric.name, 0) + metric.value
     return out
 

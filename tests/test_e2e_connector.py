@@ -126,6 +126,22 @@ def _with_flushes(steps):
 
 
 SW_PROMPT = _source_tokens("pathlib.py", 100, 1024)        # 8 blocks; the window covers 2
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def _smol_tokens(text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(SMOL, "tokenizer.json")).encode(text).ids
+
+
+def _spec_prompts() -> tuple[list[int], list[int]]:
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], "textwrap.py"), encoding="utf-8") as f:
+        text = f.read()
+    return _smol_tokens(text[:1500] * 3), _smol_tokens(text[6000:6200])
+
+
+SPEC_PROMPT, SPEC_NEXT = _spec_prompts() if os.path.isdir(SMOL) else ([], [])
 
 
 def _sliding_window_model(dest: str) -> str:
@@ -444,6 +460,19 @@ def engines(tmp_path_factory, request):
                                 {"op": "store_digest", "name": "pool_store"},
                             ]}))
 
+    # Speculative decoding (n-gram drafts on text that repeats itself, which
+    # SmolLM2 goes on repeating): blocks filled while drafts were verified
+    # and rejected are stored, loaded for the next turn, and must give the
+    # tokens vLLM's own prefix cache gives.
+    spec_turns = [_gen("spec_t1", [SPEC_PROMPT], 300),
+                  _gen("spec_t2", [{"from": "spec_t1", "index": 0, "append": SPEC_NEXT}])]
+    eng.add(Run("ref-spec", {"model": SMOL, "store": None, "prefix_caching": True, "speculative": SPECULATIVE,
+                             "steps": spec_turns}))
+    eng.add(Run("spec", connector(f"disk://{workdir}/store-spec", [
+        spec_turns[0], {"op": "flush", "name": "spec_flush", "quiet_s": 1.0},
+        {"op": "reset_prefix_cache", "name": "spec_reset"}, spec_turns[1],
+    ], model=SMOL, prefix_caching=True, speculative=SPECULATIVE), deps=["ref-spec"]))
+
     eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
     eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
 
@@ -706,6 +735,25 @@ def test_a_sliding_window_model_never_stores_the_null_block_under_a_prompts_keys
     assert set(second) <= set(first)
     assert [k for k, digest in second.items() if first[k] != digest] == []
     assert got["sw_again"]["outputs"] == got["sw_cold"]["outputs"]
+
+
+@uses("ref-spec", "spec")
+def test_under_speculative_decoding_blocks_loaded_from_the_store_give_vllms_own_tokens(engines):
+    """A first turn of 300 tokens decoded with n-gram drafts (most accepted,
+    some rejected), its blocks stored; vLLM's prefix cache emptied; the next
+    turn loads them, decode-phase blocks included, and gives the tokens the
+    reference (same drafts, vLLM's own prefix cache, no connector) gives."""
+    ref, got = engines.result("ref-spec"), engines.result("spec")
+    counters = got["spec_t1"]["counters"]
+    drafts = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert 0 < accepted < drafts                         # drafts accepted and rejected
+    assert got["spec_t1"]["outputs"] == ref["spec_t1"]["outputs"]
+    prompt = len(SPEC_PROMPT) + 300                      # turn 1's prompt and output
+    assert ref["spec_t2"]["cached"][0] >= (prompt - 1) // BLOCK * BLOCK > len(SPEC_PROMPT) // BLOCK * BLOCK
+    assert got["spec_t2"]["cached"] == ref["spec_t2"]["cached"]
+    assert _external_hits(got["spec_t2"]) == got["spec_t2"]["cached"][0]
+    assert got["spec_t2"]["outputs"] == ref["spec_t2"]["outputs"]
 
 
 @uses("pooling")
