@@ -144,14 +144,14 @@ def example_batches(forward_context: dict[str, Any], kv_caches: dict[str, Any], 
     layer the layer call hook reaches: layers alike in backend, head
     counts, head size and cache are one kind.  ``kv_caches``: layer name ->
     the cache vLLM registers with the connector."""
-    from .attention import example_batch
+    from .attention import example_batch, patched_key_pages
 
     examples: dict[tuple, Any] = {}
     for name, layer in forward_context.items():
         kv_cache = kv_caches.get(name)
-        if kv_cache is None or getattr(layer, "impl", None) is None:
+        impl = getattr(layer, "impl", None)
+        if kv_cache is None or patched_key_pages(impl) is None:
             continue
-        impl = layer.impl
         kind = (type(impl), impl.num_heads, impl.num_kv_heads, impl.head_size, kv_cache.dtype,
                 tuple(kv_cache.shape[1:]), kv_cache.stride())
         if kind not in examples:

@@ -118,6 +118,13 @@ def _hooked_forward(original: Callable, *, declines: Callable[[Any, Any], bool],
     return forward
 
 
+def patched_key_pages(impl: Any) -> Callable | None:
+    """The ``key_pages`` of the hook on ``impl``'s ``forward``, or None
+    where the hook does not reach that impl (not patched, or a subclass
+    with a ``forward`` of its own)."""
+    return getattr(getattr(type(impl), "forward", None), "ucm_key_pages", None) if impl is not None else None
+
+
 def example_batch(name: str, layer: Any, kv_cache, dtype, max_model_len: int) -> AttentionBatch | None:
     """A call of ``layer`` with no request in it, as the hook would hand it
     to the method, for ``SparseMethod.warm_up`` at start-up: one padding
@@ -128,10 +135,15 @@ def example_batch(name: str, layer: Any, kv_cache, dtype, max_model_len: int) ->
     import torch
 
     impl = getattr(layer, "impl", None)
-    key_pages = getattr(getattr(type(impl), "forward", None), "ucm_key_pages", None)
-    if impl is None or key_pages is None or not _decoder_impl(impl):
+    key_pages = patched_key_pages(impl)
+    if key_pages is None or not _decoder_impl(impl):
         return None
     device, block_size = kv_cache.device, kv_cache.shape[2]
+    if getattr(layer, "query_quant", None) is not None:
+        # An fp8 cache: the layer quantizes the query before forward.
+        from vllm.platforms import current_platform
+
+        dtype = current_platform.fp8_dtype()
     return AttentionBatch(
         layer_name=name, layer_index=_layer_index(name),
         query=torch.zeros((1, impl.num_heads, impl.head_size), dtype=dtype, device=device),

@@ -768,6 +768,13 @@ def test_the_kernels_keep_the_choice_the_torch_path_keeps():
 
 # -- Triton kernels compiled at start-up, never while serving ----------------------------------
 
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor that starts one element into its buffer."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    buffer[1:] = t.flatten()
+    return buffer[1:].view(t.shape)
+
+
 def _launched(path) -> set[str]:
     from ucm_testing.triton_variants import variants
 
@@ -779,6 +786,7 @@ def _launched(path) -> set[str]:
     {"keep_ratio": 0.25, "dense_below": 256},
     {"budget_blocks": 5, "reselect_every": 2, "score": "bound", "dense_below": 400},
     {"keep_ratio": 0.3, "parts": 2, "reselect_every": 3},
+    {"budget_blocks": 5, "dense_below": 100000},       # never thins here: decode calls only fold their keys
 ])
 def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, device, options):
     """Variants as Triton tells them apart on a GPU (argument types, what
@@ -807,13 +815,14 @@ def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, d
     # Serving: batches of 1, 2, 3 and 17 rows, decode steps (scored and
     # reused), a mixed step (one row still in prefill), a method started
     # while requests run (its first steps check what they read), and
-    # longest rows from 16 to 100 blocks.
+    # longest rows from 5 to 100 blocks.
     try:
         with record(str(served)):
             for n, (lens, q_lens, running) in enumerate([
                 ([1380], [1], False), ([900, 40], [1, 1], False), ([700, 1200, 300], [1, 6, 1], False),
                 ([60 + 33 * i for i in range(17)], [1] * 17, False), ([256, 100], [1, 1], False),
-                ([500], [1], False), ([1600, 520], [1, 1], True),
+                ([500], [1], False), ([70, 30], [1, 1], False), ([1600, 520], [1, 1], True),
+                ([1000, 330], [1, 1], "unaligned"),
             ]):
                 reqs = Requests(device, lens, q_lens, seed=n, table_width=table)
                 reqs.req_ids = [f"b{n}r{i}" for i in range(len(lens))]
@@ -824,13 +833,19 @@ def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, d
                 for step, back in enumerate((3, 2, 1, 0)):
                     method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
                     if q_lens != [1] * len(lens) and back == 0:
-                        method.before_attention(reqs.step("layers.0", 10 * n + step + 2))
+                        batch = reqs.step("layers.0", 10 * n + step + 2)
                     else:
-                        method.before_attention(_decode(reqs, "layers.0", 10 * n + step + 2, back))
+                        batch = _decode(reqs, "layers.0", 10 * n + step + 2, back)
+                    if running == "unaligned":
+                        # Metadata that starts 4 or 8 bytes into a buffer (a
+                        # micro-batch's slice, a row of a shared buffer).
+                        batch = dataclasses.replace(batch, **{name: _unaligned(getattr(batch, name)) for name in (
+                            "slot_mapping", "query_start_loc", "seq_lens", "block_table")})
+                    method.before_attention(batch)
     finally:
         if device == "cuda":
             knobs.jit_post_compile_hook = before
-    assert method.stats().sparse_rows > 0
+    assert (method.stats().sparse_rows > 0) == (options["dense_below"] < 1600 if "dense_below" in options else True)
     missed = _launched(served) - _launched(warm)
     assert not missed, "served variants the warm-up did not launch:\n" + "\n".join(sorted(missed))
     assert compiled == []

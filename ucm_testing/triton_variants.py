@@ -33,8 +33,9 @@ def specialization(kernel_name: str, args) -> list:
     """Each positional argument's type and what Triton specialises on, as
     its launcher works them out on a GPU: ``[type, attribute]``, where an
     int equal to 1 becomes ``["constexpr", 1]`` and the attribute "D" marks
-    a pointer or int divisible by 16; the arguments named in
-    ``triton_select.RUNTIME_INTS`` are not specialised."""
+    a pointer or int divisible by 16; the ints named in
+    ``triton_select.RUNTIME_INTS`` are not specialised, nor the pointers in
+    ``RUNTIME_POINTERS`` on their alignment."""
     import inspect
 
     from triton._C.libtriton import native_specialize_impl
@@ -44,10 +45,10 @@ def specialization(kernel_name: str, args) -> list:
 
     kernel = getattr(triton_select, kernel_name)
     params = list(inspect.signature(kernel.fn).parameters)
-    runtime = set(triton_select.RUNTIME_INTS[kernel_name])
+    ints, pointers = set(triton_select.RUNTIME_INTS[kernel_name]), set(triton_select.RUNTIME_POINTERS[kernel_name])
     out = []
     for name, value in zip(params, args):
-        kind, attr = native_specialize_impl(BaseBackend, value, False, name not in runtime, True)
+        kind, attr = native_specialize_impl(BaseBackend, value, False, name not in ints, name not in pointers)
         out.append([kind, attr])
     return out
 

@@ -172,12 +172,9 @@ class BlockTopK(SparseMethod):
         example's dtypes and shapes matter.  Returns the launches made (0
         where the torch path runs)."""
         device = example.query.device
-        if not self._use_triton(device) or self._thin_from is None or example.key is None:
+        if not self._use_triton(device) or example.key is None:
             return 0
         block_size, top = example.block_size, example.block_table.shape[1]
-        first = max(self._thin_from, -(-self.options.dense_below_on(device) // block_size))
-        if first > top:
-            return 0
         # One decode row with nothing in it: the kernels read and write no block.
         batch = dataclasses.replace(
             example, layer_name="warm-up", query=example.query[:1], key=example.key[:1],
@@ -190,8 +187,12 @@ class BlockTopK(SparseMethod):
         epochs = torch.zeros(2, dtype=torch.int64, device=device)
         totals = torch.zeros(len(STATS), dtype=torch.int64, device=device)
         kept = KeptChoices(self.options.reselect_every)
+        # Decode calls fold their keys even where nothing can be thinned.
         triton_select.fold_decode(layer, batch.key, batch.slot_mapping, epochs, batch.pages)
         launches = 1
+        if self._thin_from is None:
+            return launches
+        first = max(self._thin_from, -(-self.options.dense_below_on(device) // block_size))
         wp, last_wp = max(16, triton_select.pow2(first)), max(16, triton_select.pow2(top))
         # (decode rows only, keys folded in the scoring launch): the scoring
         # launch's variants, the same at every width.

@@ -55,6 +55,19 @@ RUNTIME_INTS = {
     "_select_kernel": ["width", "num_rows", "table_s0", "out_table_s0", "choice_k"],
     "_reuse_kernel": ["pos_s0", "k_last", "rows_last", "table_s0", "width", "num_rows", "out_table_s0", "k"],
 }
+#: The pointers into vLLM's attention metadata, which Triton would also
+#: tell apart by 16-byte alignment: a row of a buffer shared by KV cache
+#: groups, or a micro-batch's slice of the metadata, may start anywhere.
+RUNTIME_POINTERS = {
+    "_fold_decode_kernel": ["slot_ptr"],
+    "_block_logits_kernel": ["qsl_ptr", "seq_ptr", "table_ptr", "slot_ptr"],
+    "_select_kernel": ["qsl_ptr", "seq_ptr", "table_ptr"],
+    "_reuse_kernel": ["qsl_ptr", "seq_ptr", "table_ptr"],
+}
+
+
+def _jit(name: str):
+    return triton.jit(do_not_specialize=RUNTIME_INTS[name], do_not_specialize_on_alignment=RUNTIME_POINTERS[name])
 
 
 def pow2(n: int) -> int:
@@ -85,7 +98,7 @@ if triton is not None:
         probe = tl.where(seen_start, probe.to(tl.float32), float("nan"))
         tl.store(probe_ptr + block * BS + tt, probe, mask=tt < BS)
 
-    @triton.jit(do_not_specialize=RUNTIME_INTS["_fold_decode_kernel"])
+    @_jit("_fold_decode_kernel")
     def _fold_decode_kernel(key_ptr, key_s0, key_s1, slot_ptr, epochs_ptr, made_at_ptr,
                             sum_ptr, minmax_ptr, probe_ptr, kv_ptr, kv_s0, kv_s1,
                             BS: tl.constexpr, BSP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
@@ -124,7 +137,7 @@ if triton is not None:
                 if offset == BS - 1:
                     _take_probe(block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr, BS, BSP, D)
 
-    @triton.jit(do_not_specialize=RUNTIME_INTS["_block_logits_kernel"])
+    @_jit("_block_logits_kernel")
     def _block_logits_kernel(q_ptr, q_s0, q_s1, qsl_ptr, seq_ptr, table_ptr, table_s0,
                              sum_ptr, minmax_ptr, out_ptr, width, scale,
                              key_ptr, key_s0, key_s1, slot_ptr, epochs_ptr, made_at_ptr, probe_ptr,
@@ -263,7 +276,7 @@ if triton is not None:
                 any_decode = tl.maximum(any_decode, tl.max(((lens == 1) & inside).to(tl.int64), axis=0))
             tl.atomic_add(totals_ptr + 0, any_decode)
 
-    @triton.jit(do_not_specialize=RUNTIME_INTS["_select_kernel"])
+    @_jit("_select_kernel")
     def _select_kernel(logits_ptr, width, num_rows, qsl_ptr, seq_ptr, table_ptr, table_s0,
                        keep_ptr, out_table_ptr, out_table_s0, out_seq_ptr, totals_ptr,
                        choice_pos_ptr, choice_k, choice_count_ptr, choice_nb_ptr, choice_last_ptr, choice_thin_ptr,
@@ -323,7 +336,7 @@ if triton is not None:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=RUNTIME_INTS["_reuse_kernel"])
+    @_jit("_reuse_kernel")
     def _reuse_kernel(pos_ptr, pos_s0, k_last, rows_last, count_ptr, nb_ptr, last_ids_ptr, thin_ptr,
                       qsl_ptr, seq_ptr, table_ptr, table_s0, keep_ptr, width, num_rows,
                       out_table_ptr, out_table_s0, out_seq_ptr,
