@@ -58,7 +58,7 @@ def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int
         num_cache_blocks=kv_cache.shape[0],
         num_kv_heads=impl.num_kv_heads,
         head_size=impl.head_size,
-        scale=impl.scale,
+        scale=impl.scale * _query_scale(layer, query),
         pages=pages,
         # Host-side: the step hook's count, and the bounds vLLM's metadata
         # builder already worked out (no device read).
@@ -66,6 +66,12 @@ def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int
         max_seq_len=md.max_seq_len,
         max_query_len=md.max_query_len,
     )
+
+
+def _query_scale(layer: Any, query) -> float:
+    """What the call's query values are to be multiplied by: a query vLLM
+    quantized to fp8 for an fp8 cache holds ``q / q_scale``."""
+    return float(getattr(layer, "_q_scale_float", 1.0)) if query.element_size() == 1 else 1.0
 
 
 def _decoder_impl(impl: Any) -> bool:
@@ -139,7 +145,7 @@ def example_batch(name: str, layer: Any, kv_cache, dtype, max_model_len: int) ->
     if key_pages is None or not _decoder_impl(impl):
         return None
     device, block_size = kv_cache.device, kv_cache.shape[2]
-    if getattr(layer, "query_quant", None) is not None:
+    if getattr(layer, "query_quant", None) is not None and getattr(impl, "supports_quant_query_input", False):
         # An fp8 cache: the layer quantizes the query before forward.
         from vllm.platforms import current_platform
 

@@ -849,3 +849,31 @@ def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, d
     missed = _launched(served) - _launched(warm)
     assert not missed, "served variants the warm-up did not launch:\n" + "\n".join(sorted(missed))
     assert compiled == []
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_a_query_quantized_for_an_fp8_cache_selects_the_blocks_its_full_precision_query_selects(device, kernels):
+    """vLLM hands an fp8 cache's attention an fp8 query holding q / q_scale;
+    the patch folds q_scale into the call's scale, so the scores, and the
+    blocks chosen, are those of the full-precision query."""
+    from types import SimpleNamespace
+
+    from patches.attention import _query_scale
+
+    reqs = Requests(device, [1500, 900], [1, 1], seed=21)
+    chosen = []
+    for quantized in (False, True):
+        method = _method({"keep_ratio": 0.25}, kernels)
+        reqs.start(method)
+        method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+        batch = reqs.step("layers.0", step=2)
+        layer = SimpleNamespace(_q_scale_float=0.25)
+        if quantized:
+            query = (batch.query.float() / layer._q_scale_float).to(torch.float8_e4m3fn)
+            batch = dataclasses.replace(batch, query=query, scale=batch.scale * _query_scale(layer, query))
+        else:
+            assert _query_scale(layer, batch.query) == 1.0
+        selection = method.before_attention(batch)
+        chosen.append([_chosen(selection.block_table, r, math.ceil(_cdiv(n, 16) * 0.25))
+                       for r, n in enumerate(reqs.lens)])
+    assert chosen[0] == chosen[1]
