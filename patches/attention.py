@@ -259,20 +259,25 @@ _KEY_VIEWS: dict[tuple, Any] = {}
 
 
 class FlashKeyPages(KeyPages):
-    """``KeyPages`` over FlashAttention's per-token page rows."""
+    """``KeyPages`` over FlashAttention's per-token page rows.  An fp8
+    cache (``fp8_dtype``: the type its bytes hold; ``k_scale``: what its
+    keys are multiplied by to come back) is read back dequantized; its
+    probes and its key view are the values as stored."""
 
-    def __init__(self, kv_cache, head_size: int) -> None:
-        self._kv = kv_cache
+    def __init__(self, kv_cache, head_size: int, fp8_dtype=None, k_scale: float = 1.0) -> None:
+        self._kv = kv_cache.view(fp8_dtype) if fp8_dtype is not None else kv_cache
         self.head_size = head_size
+        self._k_scale = float(k_scale) if fp8_dtype is not None else None
 
     def read(self, block_ids):
-        return self._kv.index_select(0, block_ids).transpose(1, 2)[..., :self.head_size]
+        keys = self._kv.index_select(0, block_ids).transpose(1, 2)[..., :self.head_size]
+        return keys if self._k_scale is None else keys.float() * self._k_scale
 
     def key_view(self):
         # One view per cache tensor, kept: a decode layer call should not pay
         # for making it again (the patch builds a reader per call).
         kv = self._kv
-        key = (kv.data_ptr(), kv.shape, kv.stride(), self.head_size)
+        key = (kv.data_ptr(), kv.dtype, kv.shape, kv.stride(), self.head_size)
         view = _KEY_VIEWS.get(key)
         if view is None:
             if len(_KEY_VIEWS) > 1024:
@@ -294,7 +299,16 @@ def _fa_declines(impl: Any, md: Any) -> bool:
 
 
 def _fa_pages(impl: Any, layer: Any, kv_cache) -> KeyPages | None:
-    return FlashKeyPages(kv_cache, impl.head_size) if impl.kv_cache_dtype == "auto" else None
+    if impl.kv_cache_dtype == "auto":
+        return FlashKeyPages(kv_cache, impl.head_size)
+    if impl.kv_cache_dtype in ("fp8", "fp8_e4m3") and kv_cache.element_size() == 1:
+        # Bytes of the platform's fp8 type, one scale per layer (FlashAttention
+        # views them so itself); other quantized caches stay unread.
+        from vllm.platforms import current_platform
+
+        return FlashKeyPages(kv_cache, impl.head_size, current_platform.fp8_dtype(),
+                             getattr(layer, "_k_scale_float", 1.0))
+    return None
 
 
 def _fa_fix_up(impl: Any, layer: Any, query, dense_md: Any, md: Any) -> None:

@@ -52,7 +52,7 @@ class Requests:
     request's keys have a few "hot" blocks lined up with its query."""
 
     def __init__(self, device, lens, q_lens, block_size=16, heads=6, kv_heads=2, head=64, seed=0,
-                 spare_blocks=5, table_width=None):
+                 spare_blocks=5, table_width=None, fp8_scale=None):
         gen = torch.Generator().manual_seed(seed)
         self.device = torch.device(device)
         self.lens, self.q_lens = list(lens), list(q_lens)
@@ -84,9 +84,24 @@ class Requests:
             slots = self.slots(i, 0, lens[i])
             for h in range(kv_heads):
                 self.kv[slots // block_size, h, slots % block_size, :head] = keys[:, h]
+        self.fp8_scale = fp8_scale
+        if fp8_scale is not None:
+            # An fp8 cache as vLLM allocates it (bytes), keys stored divided by their scale.
+            self.kv = (self.kv.float() / fp8_scale).to(torch.float8_e4m3fn).view(torch.uint8)
         self.kv = self.kv.to(self.device)
         self.table = self.table.to(self.device)
-        self.pages = FlashKeyPages(self.kv, head)
+        self.pages = (FlashKeyPages(self.kv, head) if fp8_scale is None
+                      else FlashKeyPages(self.kv, head, torch.float8_e4m3fn, fp8_scale))
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Put ``keys`` ``[n, kv_heads, head]`` into the cache at ``slots``
+        (behind the forward's back, as a load or a prefix-cache hit does)."""
+        kv = self.kv.cpu()
+        if self.fp8_scale is not None:
+            kv, keys = kv.view(torch.float8_e4m3fn), (keys.float() / self.fp8_scale).to(torch.float8_e4m3fn)
+        for h in range(self.kv_heads):
+            kv[slots // self.block_size, h, slots % self.block_size, :self.head] = keys[:, h].to(kv.dtype)
+        self.kv.copy_(kv.view(self.kv.dtype))
 
     def slots(self, i: int, start: int, end: int) -> torch.Tensor:
         t = torch.arange(start, end)
@@ -877,3 +892,55 @@ def test_a_query_quantized_for_an_fp8_cache_selects_the_blocks_its_full_precisio
         chosen.append([_chosen(selection.block_table, r, math.ceil(_cdiv(n, 16) * 0.25))
                        for r, n in enumerate(reqs.lens)])
     assert chosen[0] == chosen[1]
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_an_fp8_cache_is_read_back_scaled_and_its_blocks_are_checked_without_waiting(device, kernels):
+    """FlashAttention's per-tensor fp8 cache: pages read back times their
+    scale, probes as stored.  Blocks refilled behind the forward are checked
+    without waiting for the device: a prefix-cache hit with the same keys
+    keeps its summaries, new content is summarized from the pages, and the
+    block that new content makes hot is chosen."""
+    scale = 0.05
+    reqs = Requests(device, [1600, 800], [1, 1], seed=7, fp8_scale=scale)
+    ids = torch.tensor(reqs.tables[0][:3], device=reqs.device)
+    stored = reqs.kv.view(torch.float8_e4m3fn).index_select(0, ids).transpose(1, 2)[..., :64]
+    assert torch.equal(reqs.pages.read(ids), stored.float() * scale)
+    truth = torch.stack([reqs.keys[0][b * 16:(b + 1) * 16] for b in range(3)]).to(reqs.device).float()
+    assert (reqs.pages.read(ids) - truth).abs().max() < 0.1 * truth.abs().max()
+    method = _method({"budget_blocks": 3}, kernels)
+    reqs.start(method)
+    # Request 0's first 99 blocks refilled with new keys, block 40 hot; a
+    # prefix-cache hit on request 1's first 40 blocks, same keys.
+    keys = torch.randn(99 * 16, 2, 64)
+    keys[40 * 16:41 * 16] += 4 * reqs.queries[0][::3].float()
+    reqs.write(reqs.slots(0, 0, 99 * 16), keys)
+    method.begin_step(StepInfo(16, started=(RequestStart("r0", tuple(reqs.tables[0]), 99 * 16),
+                                            RequestStart("r1", tuple(reqs.tables[1]), 40 * 16)),
+                               scheduled_req_ids=frozenset(reqs.req_ids)))
+    batch = reqs.step("layers.0", step=2)
+    log = OpLog()
+    with log:
+        selection = method.before_attention(batch)
+    assert log.syncing == []
+    table = reqs.tables[0]
+    assert selection.block_table[0, :3].tolist() == [table[0], table[40], table[99]]
+    stats = method.stats()
+    assert (stats.blocks_summarized_from_pages, stats.blocks_probed_unchanged) == (99, 40)
+
+
+def test_flash_attention_pages_of_an_fp8_cache_read_back_with_the_layers_scale():
+    from types import SimpleNamespace
+
+    from patches.attention import _fa_pages
+
+    reqs = Requests("cpu", [300], [1], fp8_scale=0.25)
+    layer = SimpleNamespace(_k_scale_float=0.25)
+    ids = torch.tensor(reqs.tables[0][:2])
+    for dtype in ("fp8", "fp8_e4m3"):
+        pages = _fa_pages(SimpleNamespace(kv_cache_dtype=dtype, head_size=64), layer, reqs.kv)
+        assert torch.equal(pages.read(ids), reqs.pages.read(ids))
+        assert torch.equal(pages.probe(ids), reqs.pages.probe(ids))
+    # Caches of another quantization are left unread.
+    for dtype in ("fp8_e5m2", "nvfp4", "int8_per_token_head"):
+        assert _fa_pages(SimpleNamespace(kv_cache_dtype=dtype, head_size=64), layer, reqs.kv) is None

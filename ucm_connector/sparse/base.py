@@ -106,7 +106,9 @@ class KeyPages(abc.ABC):
 
     @abc.abstractmethod
     def read(self, block_ids: Any) -> Any:
-        """Keys of whole blocks: ``[n, block_size, num_kv_heads, head_size]``."""
+        """Keys of whole blocks: ``[n, block_size, num_kv_heads, head_size]``
+        (a quantized cache's scaled back: the keys the model wrote, give or
+        take the quantization)."""
 
     def reduce(self, block_ids: Any, parts: int) -> tuple[Any, Any, Any]:
         """For full blocks: elementwise min and max over all tokens
@@ -121,14 +123,16 @@ class KeyPages(abc.ABC):
     @abc.abstractmethod
     def probe(self, block_ids: Any) -> Any:
         """One key element per token, ``[n, block_size]``: token t's element
-        at kv head 0, dim ``t % head_size``.  Cheap; tells whether a block
-        still holds the keys a summary was made from."""
+        at kv head 0, dim ``t % head_size``, as the cache stores it (a
+        quantized cache's value, not scaled back).  Cheap; tells whether a
+        block still holds the keys a summary was made from."""
 
     def key_view(self) -> Any | None:
         """The keys as a strided view ``[num_blocks, block_size,
-        num_kv_heads, head_size]`` of the cache itself (no copy), for
-        kernels that read pages directly; None where pages are packed
-        (the CPU backend) and only ``read`` can unpack them."""
+        num_kv_heads, head_size]`` of the cache itself (no copy, values as
+        stored), for kernels that read probes from pages directly; None
+        where pages are packed (the CPU backend) and only ``read`` can
+        unpack them."""
         return None
 
 

@@ -60,7 +60,8 @@ The torch path
 selection with a few dozen ops, also without waiting.  Only two rare
 situations wait: the steps after the method starts while requests are
 already running (their earlier keys went by unseen, so each step checks the
-blocks it reads), and caches whose pages cannot be read back (quantized).
+blocks it reads), and caches whose pages cannot be read back (quantized
+ones other than FlashAttention's per-tensor fp8).
 
 This module owns the method itself: the order of a layer call's work, which
 path selects, and the counters.  The pieces: ``topk_options`` (the options
