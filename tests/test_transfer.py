@@ -613,6 +613,36 @@ def test_a_cuda_copy_that_fails_half_way_waits_for_what_it_issued_on_cpu_tensors
     assert calls == [0, 1, 1]                      # three chunks were planned: slot 1 is next
 
 
+def test_staging_slots_reserved_at_start_up_serve_the_copies_on_cpu_tensors(logged_streams, monkeypatch):
+    """Both directions' slots are allocated by ``reserve_staging`` (at
+    start-up) and the copies use them, allocating nothing more; with no
+    room, it raises, and the first copy tries again."""
+    _, src = _vllm("LBNHC", "cpu")
+    transfer, pool = _cuda_path(src, 1 << 20)
+    rings = (transfer._gather_ring, transfer._scatter_ring)
+    assert all(ring.buffer is None for ring in rings)
+    assert transfer.reserve_staging(pool.row_nbytes) == sum(r.slot_nbytes * r.slots for r in rings) > 0
+    buffers = [ring.buffer for ring in rings]
+    rows = pool.take(2)
+    transfer.gather_rows([0, 3], rows).synchronize()
+    transfer.scatter_rows([1, 2], rows).synchronize()
+    assert [ring.buffer for ring in rings] == buffers
+
+    fresh, fresh_pool = _cuda_path(src, 1 << 20)
+    real = torch.empty
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "empty", no_room)
+    with pytest.raises(torch.OutOfMemoryError):
+        fresh.reserve_staging(fresh_pool.row_nbytes)
+    monkeypatch.setattr(torch, "empty", real)
+    rows = fresh_pool.take(2)
+    fresh.gather_rows([0, 3], rows).synchronize()
+    assert fresh._gather_ring.buffer is not None
+
+
 def test_a_host_thread_that_waits_for_a_cuda_copy_sleeps_on_cpu_tensors(logged_streams):
     """The events a host thread waits on (a save's rows written, a load's
     pages written) are blocking ones: the writer or loader sleeps until the

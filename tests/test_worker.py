@@ -748,3 +748,16 @@ def test_a_copy_that_raises_costs_blocks_never_the_step(tmp_path, monkeypatch, d
     assert _pages(dst, [5, 6]) == _pages(src, [0, 1])
     loader.close()
     s.close()
+
+
+def test_with_no_room_for_staging_buffers_at_start_up_the_worker_warns_and_still_saves_and_loads(
+        store, monkeypatch, caplog):
+    from ucm_connector.transfer import BlockTransfer
+
+    def no_room(self, row_nbytes):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB")
+
+    monkeypatch.setattr(BlockTransfer, "reserve_staging", no_room)
+    src, keys = _saved(store, 3, 4)
+    assert "no room on the GPU for the KV staging buffers (256 MiB)" in caplog.text
+    assert _load_back(store, keys, [20, 21, 22, 23], 4) == _pages(src, range(4))

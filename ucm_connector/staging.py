@@ -63,6 +63,16 @@ class StagingRing:
             self.buffer = None
             self._views.clear()
 
+    def reserve(self, row_nbytes: int) -> int:
+        """Allocate the slots now, for rows of ``row_nbytes`` (at start-up,
+        rather than at the first copy); the device bytes they take.  Raises
+        ``torch.OutOfMemoryError`` where there is no room."""
+        with self.lock:
+            self.fit(row_nbytes)
+            if self.buffer is None:
+                self._allocate()
+            return self.slot_nbytes * self.slots
+
     def rows_per_slot(self, row_nbytes: int) -> int:
         return max(1, self.slot_nbytes // row_nbytes)
 

@@ -122,6 +122,7 @@ class BlockTransfer:
         self._segments = segment_layers(self.layers, self._offsets, merge_layers)
         self._layer_segments = segment_layers(self.layers, self._offsets, merge=False)
         self._cuda = self.device.type == "cuda"
+        self.staging_nbytes = staging_nbytes
         self._layer_views: dict[tuple[int, int], torch.Tensor] = {}
         if self._cuda:
             slot_nbytes = round_up(max(staging_nbytes // slots, 1), 256)
@@ -313,6 +314,15 @@ class BlockTransfer:
         if view is None:
             view = self._layer_views[(layer, word)] = self._layer_segments[layer].view(self.num_blocks, word)
         return view
+
+    def reserve_staging(self, row_nbytes: int) -> int:
+        """CUDA: both directions' staging slots allocated now, for rows of
+        ``row_nbytes``; the device bytes they take (0 on CPU).  Raises
+        ``torch.OutOfMemoryError`` where there is no room: the copies then
+        try again when they first need the slots."""
+        if not self._cuda:
+            return 0
+        return sum(ring.reserve(row_nbytes) for ring in (self._gather_ring, self._scatter_ring))
 
     def layer_staging(self, direction: str) -> "LayerStaging":
         """The side stream and device slot of this transfer's layer copies

@@ -29,6 +29,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+import torch
+
 from store_backends import KVStore, StoreError
 
 from . import blockfmt
@@ -145,6 +147,14 @@ class UCMWorker:
             reader["store"] = observe_reads(self.store, self.observer)
             self.clock = StepClock(self.observer, on_cuda=self.transfer.on_cuda)
             self.prober = Prober(reader["store"], self.block_nbytes, self.tp_rank)
+        try:
+            # At start-up, where a shortage is seen at once, not at the first save.
+            self.transfer.reserve_staging(self.save_pool.row_nbytes)
+        except torch.OutOfMemoryError:
+            logger.warning("ucm-connector: no room on the GPU for the KV staging buffers (%d MiB) after vLLM took "
+                           "its KV cache; each copy tries again, and a save or load that finds none is skipped "
+                           "(the blocks are recomputed). Lower --gpu-memory-utilization a little",
+                           2 * self.transfer.staging_nbytes >> 20)
         if self.transfer.on_cuda and (self.save_layerwise or self.load_mode is LoadMode.LAYER):
             # Tried here, once, at start-up rather than in a step.
             if not self.transfer.can_copy_by_layer:
