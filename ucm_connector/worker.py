@@ -151,9 +151,9 @@ class UCMWorker:
             # At start-up, where a shortage is seen at once, not at the first save.
             self.transfer.reserve_staging(self.save_pool.row_nbytes)
         except torch.OutOfMemoryError:
-            logger.warning("ucm-connector: no room on the GPU for the KV staging buffers (%d MiB)"
-                           " after vLLM took its KV cache; each copy tries again, and a save or load that finds"
-                           " none is skipped (the blocks are recomputed). Lower --gpu-memory-utilization a little",
+            logger.warning("ucm-connector: no room on the GPU for the KV staging buffers (%d"
+                           " MiB) after vLLM took its KV cache; each copy tries again, and a save or load that"
+                           " finds none is skipped (the blocks are recomputed). Lower --gpu-memory-utilization a little",
                            2 * self.transfer.staging_nbytes >> 20)
         if self.transfer.on_cuda and (self.save_layerwise or self.load_mode is LoadMode.LAYER):
             # Tried here, once, at start-up rather than in a step.
