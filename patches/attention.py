@@ -42,7 +42,8 @@ def _layer_index(layer_name: str) -> int | None:
     return None
 
 
-def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int, pages: Any):
+def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int, pages: Any,
+           query_scale: float):
     num_tokens = md.num_actual_tokens
     name = getattr(layer, "layer_name", str(id(layer)))
     return AttentionBatch(
@@ -58,7 +59,7 @@ def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int
         num_cache_blocks=kv_cache.shape[0],
         num_kv_heads=impl.num_kv_heads,
         head_size=impl.head_size,
-        scale=impl.scale * _query_scale(layer, query),
+        scale=impl.scale * query_scale,
         pages=pages,
         # Host-side: the step hook's count, and the bounds vLLM's metadata
         # builder already worked out (no device read).
@@ -68,10 +69,21 @@ def _batch(impl: Any, layer: Any, query, key, kv_cache, md: Any, block_size: int
     )
 
 
-def _query_scale(layer: Any, query) -> float:
+def _one_scale(layer: Any, name: str) -> float | None:
+    """The layer's ``_q_scale`` / ``_k_scale`` as one number, or None where
+    it has one per head (compressed-tensors' per-head fp8 scales: the
+    float vLLM keeps beside them is only their largest)."""
+    scale = getattr(layer, name, None)
+    if scale is not None and getattr(scale, "numel", lambda: 1)() != 1:
+        return None
+    return float(getattr(layer, name + "_float", 1.0))
+
+
+def _query_scale(layer: Any, query) -> float | None:
     """What the call's query values are to be multiplied by: a query vLLM
-    quantized to fp8 for an fp8 cache holds ``q / q_scale``."""
-    return float(getattr(layer, "_q_scale_float", 1.0)) if query.element_size() == 1 else 1.0
+    quantized to fp8 for an fp8 cache holds ``q / q_scale``; None where the
+    scale is per head (the call is then left to vLLM, dense)."""
+    return _one_scale(layer, "_q_scale") if query.element_size() == 1 else 1.0
 
 
 def _decoder_impl(impl: Any) -> bool:
@@ -108,7 +120,11 @@ def _hooked_forward(original: Callable, *, declines: Callable[[Any, Any], bool],
         md = attn_metadata
         if hooks is None or not _plain_decoder(self, key, md) or declines(self, md):
             return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
-        batch = _batch(self, layer, query, key, kv_cache, md, kv_cache.shape[2], key_pages(self, layer, kv_cache))
+        query_scale = _query_scale(layer, query)
+        if query_scale is None:
+            return original(self, layer, query, key, value, kv_cache, md, output, *args, **kwargs)
+        batch = _batch(self, layer, query, key, kv_cache, md, kv_cache.shape[2], key_pages(self, layer, kv_cache),
+                       query_scale)
         selection = hooks.before_attention(batch)
         if selection is not None:
             md = copy.copy(md)
@@ -145,14 +161,15 @@ def example_batch(name: str, layer: Any, kv_cache, dtype, max_model_len: int) ->
     if key_pages is None or not _decoder_impl(impl):
         return None
     device, block_size = kv_cache.device, kv_cache.shape[2]
+    query_dtype = dtype
     if getattr(layer, "query_quant", None) is not None and getattr(impl, "supports_quant_query_input", False):
-        # An fp8 cache: the layer quantizes the query before forward.
+        # An fp8 cache: the layer quantizes the query (not the key) before forward.
         from vllm.platforms import current_platform
 
-        dtype = current_platform.fp8_dtype()
+        query_dtype = current_platform.fp8_dtype()
     return AttentionBatch(
         layer_name=name, layer_index=_layer_index(name),
-        query=torch.zeros((1, impl.num_heads, impl.head_size), dtype=dtype, device=device),
+        query=torch.zeros((1, impl.num_heads, impl.head_size), dtype=query_dtype, device=device),
         key=torch.zeros((1, impl.num_kv_heads, impl.head_size), dtype=dtype, device=device),
         slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
@@ -301,13 +318,13 @@ def _fa_declines(impl: Any, md: Any) -> bool:
 def _fa_pages(impl: Any, layer: Any, kv_cache) -> KeyPages | None:
     if impl.kv_cache_dtype == "auto":
         return FlashKeyPages(kv_cache, impl.head_size)
-    if impl.kv_cache_dtype in ("fp8", "fp8_e4m3") and kv_cache.element_size() == 1:
+    k_scale = _one_scale(layer, "_k_scale")
+    if impl.kv_cache_dtype in ("fp8", "fp8_e4m3") and kv_cache.element_size() == 1 and k_scale is not None:
         # Bytes of the platform's fp8 type, one scale per layer (FlashAttention
         # views them so itself); other quantized caches stay unread.
         from vllm.platforms import current_platform
 
-        return FlashKeyPages(kv_cache, impl.head_size, current_platform.fp8_dtype(),
-                             getattr(layer, "_k_scale_float", 1.0))
+        return FlashKeyPages(kv_cache, impl.head_size, current_platform.fp8_dtype(), k_scale)
     return None
 
 

@@ -29,8 +29,9 @@ Steps (results keyed by "name"):
 * ``{"op": "generate", "name": N, "prompts": [{"tokens": [...]}], "max_tokens": 8}``:
   one greedy ``LLM.generate`` call; the result holds ``outputs`` (token ids),
   ``patched`` (whether vLLM was patched), ``kernel`` (what the CPU attention
-  kernel was handed for decode rows: calls, blocks) and ``method`` (the
-  method's own counters for this call).
+  kernel was handed for decode rows: calls, blocks), ``method`` (the
+  method's own counters for this call) and ``spec`` (vLLM's speculative
+  decoding counters for it).
 * ``{"op": "flush"}``: wait until the connector's store stops growing.
 
 The method ``test_all_blocks`` is registered here: it hands the kernel every
@@ -109,18 +110,21 @@ class KernelSpy:
 
 def signature(batch) -> str:
     """What a kernel compiled for a layer call depends on: dtypes, shapes
-    past the first dimension, 16-byte alignment, the layer's sizes and how
-    its pages are read."""
-    def tensor(t):
-        return None if t is None else [str(t.dtype), list(t.shape[1:]), t.data_ptr() % 16 == 0]
+    past the first dimension, 16-byte alignment where the kernels
+    specialise on it (not vLLM's metadata), the layer's sizes and how its
+    pages are read."""
+    def tensor(t, aligned=True):
+        if t is None:
+            return None
+        return [str(t.dtype), list(t.shape[1:])] + ([t.data_ptr() % 16 == 0] if aligned else [])
 
     pages = batch.pages
     view = pages.key_view() if pages is not None else None
     return json.dumps({
-        "query": tensor(batch.query), "key": tensor(batch.key), "slot_mapping": tensor(batch.slot_mapping),
-        "query_start_loc": tensor(batch.query_start_loc), "seq_lens": tensor(batch.seq_lens),
-        "block_table": tensor(batch.block_table), "sizes": [batch.block_size, batch.num_cache_blocks,
-                                                            batch.num_kv_heads, batch.head_size, batch.scale],
+        "query": tensor(batch.query), "key": tensor(batch.key),
+        "slot_mapping": tensor(batch.slot_mapping, False), "query_start_loc": tensor(batch.query_start_loc, False),
+        "seq_lens": tensor(batch.seq_lens, False), "block_table": tensor(batch.block_table, False),
+        "sizes": [batch.block_size, batch.num_cache_blocks, batch.num_kv_heads, batch.head_size],
         "pages": type(pages).__name__, "key_view": None if view is None else [tensor(view), list(view.stride())],
     }, sort_keys=True)
 
@@ -160,7 +164,7 @@ def build_llm(spec: dict):
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
     )
     if spec.get("speculative"):
-        kwargs["speculative_config"] = spec["speculative"]
+        kwargs.update(speculative_config=spec["speculative"], disable_log_stats=False)
     if spec.get("num_blocks"):
         kwargs["num_gpu_blocks_override"] = int(spec["num_blocks"])
     if spec.get("store") is not None:
@@ -172,6 +176,21 @@ def build_llm(spec: dict):
             "kv_connector": "UCMConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
         }
     return LLM(**kwargs)
+
+
+def spec_counters(llm, spec: dict) -> dict[str, float]:
+    """vLLM's speculative decoding counters (drafts, draft tokens, accepted
+    tokens), summed over labels; none for an engine without speculation
+    (it keeps no metrics)."""
+    from vllm.v1.metrics.reader import Counter
+
+    out: dict[str, float] = {}
+    if not spec.get("speculative"):
+        return out
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter) and "spec_decode" in metric.name:
+            out[metric.name] = out.get(metric.name, 0) + metric.value
+    return out
 
 
 def method_stats() -> dict | None:
@@ -223,17 +242,19 @@ def main(spec_path: str, out_path: str) -> int:
                 prompts = [{"prompt_token_ids": [int(t) for t in p["tokens"]]} for p in step["prompts"]]
                 params = SamplingParams(temperature=0.0, max_tokens=int(step.get("max_tokens", 8)),
                                         ignore_eos=True, detokenize=False)
-                before = method_stats()
+                before, spec_before = method_stats(), spec_counters(llm, spec)
                 spy.take()
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 after = method_stats()
+                counted = {k: v - spec_before.get(k, 0) for k, v in spec_counters(llm, spec).items()}
                 res = {
                     "outputs": [list(o.outputs[0].token_ids) for o in outs],
                     "cached": [o.num_cached_tokens for o in outs],
                     "seconds": time.perf_counter() - t0,
                     "patched": patches.applied(),
                     "kernel": spy.take(),
+                    "spec": counted,
                     "method": None if after is None else {
                         k: v - (before or {}).get(k, 0) for k, v in after.items()},
                 }

@@ -161,6 +161,8 @@ def test_revert_restores_dense_in_the_same_process(main_run):
 
 @pytest.fixture(scope="module")
 def speculative_run():
+    if not os.path.isdir(SMOL):
+        pytest.skip("models/smollm2-135m missing: run `make models`")
     # Text that repeats itself, which a trained model goes on repeating:
     # n-gram speculation finds drafts, and they are accepted.
     from tokenizers import Tokenizer
@@ -186,10 +188,10 @@ def test_under_speculative_decoding_a_method_that_reads_every_block_gives_dense_
     """Rows that verify draft tokens (several query tokens) go through the
     patch like any other: read whole, they give vLLM's own tokens."""
     dense = speculative_run["dense"]
-    assert dense["kernel"]["verify_rows"] > 0            # drafts were verified
-    for name in ("all_blocks", "topk_everything", "topk_3"):
+    for name in ("dense", "all_blocks", "topk_everything", "topk_3"):
         run = speculative_run[name]
-        assert run["patched"] is True and run["kernel"]["verify_rows"] > 0, name
+        assert run["spec"].get("vllm:spec_decode_num_accepted_tokens", 0) > 0, name      # drafts were verified
+        assert run["patched"] is (name != "dense") and run["kernel"]["verify_rows"] > 0, name
     for name in ("all_blocks", "topk_everything"):
         assert speculative_run[name]["outputs"] == dense["outputs"], name
 

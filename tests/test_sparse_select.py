@@ -569,11 +569,7 @@ def test_blocks_loaded_behind_the_forward_are_checked_without_waiting(device, ke
     table = reqs.tables[0]
     keys = torch.randn(99 * 16, 2, 64)
     keys[40 * 16:41 * 16] += 4 * reqs.queries[0][::3].float()
-    slots = reqs.slots(0, 0, 99 * 16)
-    kv = reqs.kv.cpu()
-    for h in range(2):
-        kv[slots // 16, h, slots % 16, :64] = keys[:, h].to(torch.bfloat16)
-    reqs.kv.copy_(kv)
+    reqs.write(reqs.slots(0, 0, 99 * 16), keys)
     method.begin_step(StepInfo(16, started=(RequestStart("r0", tuple(table), 99 * 16),),
                                scheduled_req_ids=frozenset(reqs.req_ids)))
     batch = reqs.step("layers.0", step=2)
@@ -929,18 +925,70 @@ def test_an_fp8_cache_is_read_back_scaled_and_its_blocks_are_checked_without_wai
     assert (stats.blocks_summarized_from_pages, stats.blocks_probed_unchanged) == (99, 40)
 
 
-def test_flash_attention_pages_of_an_fp8_cache_read_back_with_the_layers_scale():
+def _fake_flash_layer(kv_cache_dtype: str, quantized_query: bool, k_scale, q_scale=1.0):
+    """An attention layer and impl with FlashAttention's attributes, whose
+    impl class carries the hook's ``key_pages`` as the patched one does."""
     from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionType
 
     from patches.attention import _fa_pages
 
+    class Impl:
+        def forward(self):
+            pass
+
+        forward.ucm_key_pages = _fa_pages
+
+    impl = Impl()
+    impl.__dict__.update(num_heads=6, num_kv_heads=2, head_size=64, scale=0.125, attn_type=AttentionType.DECODER,
+                         alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype,
+                         supports_quant_query_input=True)
+    k = torch.as_tensor(k_scale, dtype=torch.float32)
+    q = torch.as_tensor(q_scale, dtype=torch.float32)
+    return SimpleNamespace(impl=impl, query_quant=object() if quantized_query else None,
+                           _k_scale=k, _k_scale_float=float(k.max()), _q_scale=q, _q_scale_float=float(q.max()))
+
+
+def test_the_example_call_of_an_fp8_layer_has_an_fp8_query_a_model_dtype_key_and_its_pages():
+    from vllm.platforms import current_platform
+
+    from patches.attention import example_batch
+
     reqs = Requests("cpu", [300], [1], fp8_scale=0.25)
-    layer = SimpleNamespace(_k_scale_float=0.25)
+    ids = torch.tensor(reqs.tables[0][:2])
+    example = example_batch("model.layers.3.self_attn.attn", _fake_flash_layer("fp8", True, 0.25), reqs.kv,
+                            torch.bfloat16, 4096)
+    assert example.query.dtype == current_platform.fp8_dtype() and example.key.dtype == torch.bfloat16
+    assert example.block_table.shape == (1, 4096 // 16) and example.block_table.dtype == torch.int32
+    assert torch.equal(example.pages.read(ids), reqs.pages.read(ids))
+    plain = Requests("cpu", [300], [1])
+    example = example_batch("model.layers.3.self_attn.attn", _fake_flash_layer("auto", False, 1.0), plain.kv,
+                            torch.bfloat16, 4096)
+    assert example.query.dtype == example.key.dtype == torch.bfloat16
+
+
+def test_fp8_pages_are_read_with_the_layers_one_scale_and_per_head_scales_leave_the_call_to_vllm():
+    """compressed-tensors' per-head scales: the one float vLLM keeps beside
+    them is their largest, which would put other heads' scores and
+    summaries at the wrong scale."""
+    from patches.attention import _fa_pages, _query_scale
+
+    reqs = Requests("cpu", [300], [1], fp8_scale=0.25)
+    per_head = _fake_flash_layer("fp8", True, [0.25, 0.5], q_scale=[0.1, 0.2])
+    assert _fa_pages(per_head.impl, per_head, reqs.kv) is None
+    fp8_query = torch.zeros(1, 6, 64).to(torch.float8_e4m3fn)
+    assert _query_scale(per_head, fp8_query) is None
+    assert _query_scale(per_head, torch.zeros(1, 6, 64, dtype=torch.bfloat16)) == 1.0
+    per_tensor = _fake_flash_layer("fp8", True, 0.25, q_scale=0.1)
+    assert _query_scale(per_tensor, fp8_query) == pytest.approx(0.1)
     ids = torch.tensor(reqs.tables[0][:2])
     for dtype in ("fp8", "fp8_e4m3"):
-        pages = _fa_pages(SimpleNamespace(kv_cache_dtype=dtype, head_size=64), layer, reqs.kv)
+        per_tensor.impl.kv_cache_dtype = dtype
+        pages = _fa_pages(per_tensor.impl, per_tensor, reqs.kv)
         assert torch.equal(pages.read(ids), reqs.pages.read(ids))
         assert torch.equal(pages.probe(ids), reqs.pages.probe(ids))
     # Caches of another quantization are left unread.
     for dtype in ("fp8_e5m2", "nvfp4", "int8_per_token_head"):
-        assert _fa_pages(SimpleNamespace(kv_cache_dtype=dtype, head_size=64), layer, reqs.kv) is None
+        per_tensor.impl.kv_cache_dtype = dtype
+        assert _fa_pages(per_tensor.impl, per_tensor, reqs.kv) is None

@@ -754,10 +754,21 @@ def test_with_no_room_for_staging_buffers_at_start_up_the_worker_warns_and_still
         store, monkeypatch, caplog):
     from ucm_connector.transfer import BlockTransfer
 
-    def no_room(self, row_nbytes):
+    asked = []
+
+    def no_room(self, row_nbytes, gather=True, scatter=True):
+        asked.append((gather, scatter))
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB")
 
     monkeypatch.setattr(BlockTransfer, "reserve_staging", no_room)
     src, keys = _saved(store, 3, 4)
+    assert asked == [(True, True)]
     assert "no room on the GPU for the KV staging buffers (256 MiB)" in caplog.text
     assert _load_back(store, keys, [20, 21, 22, 23], 4) == _pages(src, range(4))
+    # A producer only saves: it asks for the gather's slots alone.
+    caplog.clear()
+    producer = worker_mod.UCMWorker(store=store, namespace_digest=NS, tp_rank=0, num_blocks=NUM_BLOCKS,
+                                    max_pending_nbytes=1 << 30, stats=StatsCollector(), copies=(False, True))
+    producer.register_kv_caches(_caches(5))
+    producer.close()
+    assert asked[-1] == (True, False) and "buffers (128 MiB)" in caplog.text

@@ -261,7 +261,8 @@ class UCMConnector(KVConnectorBase_V1):
                 load_mode=worker_load_mode(self.config, vllm_config), events=OutcomeLog(enabled=with_events),
                 share_failures=_tp_union if namespace.tp_size > 1 else None,
                 observer=LoadObserver() if auto else None,
-                save_layerwise=self.config.save_layerwise and self._save_enabled)
+                save_layerwise=self.config.save_layerwise and self._save_enabled,
+                copies=(self._load_enabled, self._save_enabled))
             from .plugin import apply_sparse
 
             # Patches vLLM's attention path only when a sparse method is configured.

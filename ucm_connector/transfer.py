@@ -315,14 +315,15 @@ class BlockTransfer:
             view = self._layer_views[(layer, word)] = self._layer_segments[layer].view(self.num_blocks, word)
         return view
 
-    def reserve_staging(self, row_nbytes: int) -> int:
-        """CUDA: both directions' staging slots allocated now, for rows of
-        ``row_nbytes``; the device bytes they take (0 on CPU).  Raises
-        ``torch.OutOfMemoryError`` where there is no room: the copies then
-        try again when they first need the slots."""
+    def reserve_staging(self, row_nbytes: int, gather: bool = True, scatter: bool = True) -> int:
+        """CUDA: the staging slots of the directions asked for allocated
+        now, for rows of ``row_nbytes``; the device bytes they take (0 on
+        CPU).  Raises ``torch.OutOfMemoryError`` where there is no room: the
+        copies then try again when they first need the slots."""
         if not self._cuda:
             return 0
-        return sum(ring.reserve(row_nbytes) for ring in (self._gather_ring, self._scatter_ring))
+        rings = [ring for ring, wanted in ((self._gather_ring, gather), (self._scatter_ring, scatter)) if wanted]
+        return sum(ring.reserve(row_nbytes) for ring in rings)
 
     def layer_staging(self, direction: str) -> "LayerStaging":
         """The side stream and device slot of this transfer's layer copies

@@ -104,8 +104,11 @@ class UCMWorker:
                  max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0,
                  load_mode: LoadMode | str = LoadMode.SYNC, events: OutcomeLog | None = None,
                  share_failures: Callable[[set[int]], set[int]] | None = None,
-                 observer: LoadObserver | None = None, save_layerwise: bool = False) -> None:
+                 observer: LoadObserver | None = None, save_layerwise: bool = False,
+                 copies: tuple[bool, bool] = (True, True)) -> None:
         self.store = store
+        # (loads, saves): which ways this engine copies KV at all.
+        self.copies = copies
         self.namespace_digest = namespace_digest
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
@@ -147,14 +150,15 @@ class UCMWorker:
             reader["store"] = observe_reads(self.store, self.observer)
             self.clock = StepClock(self.observer, on_cuda=self.transfer.on_cuda)
             self.prober = Prober(reader["store"], self.block_nbytes, self.tp_rank)
+        loads, saves = self.copies
         try:
-            # At start-up, where a shortage is seen at once, not at the first save.
-            self.transfer.reserve_staging(self.save_pool.row_nbytes)
+            # At start-up, where a shortage is seen at once, not at the first copy.
+            self.transfer.reserve_staging(self.save_pool.row_nbytes, gather=saves, scatter=loads)
         except torch.OutOfMemoryError:
             logger.warning("ucm-connector: no room on the GPU for the KV staging buffers (%d"
                            " MiB) after vLLM took its KV cache; each copy tries again, and a save or load that"
-                           " finds none is skipped (the blocks are recomputed). Lower --gpu-memory-utilization a little",
-                           2 * self.transfer.staging_nbytes >> 20)
+                           " finds none is skipped (the blocks are recomputed). Lower --gpu-memory-utilization",
+                           (loads + saves) * self.transfer.staging_nbytes >> 20)
         if self.transfer.on_cuda and (self.save_layerwise or self.load_mode is LoadMode.LAYER):
             # Tried here, once, at start-up rather than in a step.
             if not self.transfer.can_copy_by_layer:
