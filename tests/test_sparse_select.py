@@ -560,29 +560,6 @@ def test_a_new_step_index_is_a_new_step_even_over_the_same_tensors(device, kerne
 # -- blocks filled behind the forward ---------------------------------------------------------
 
 @pytest.mark.parametrize("device, kernels", PATHS)
-def test_blocks_loaded_behind_the_forward_are_checked_without_waiting(device, kernels):
-    reqs = Requests(device, [1600, 1600], [1, 1], seed=6)
-    method = _method({"budget_blocks": 3}, kernels)
-    reqs.start(method)
-    # A connector load puts new content into request 0's first 99 blocks:
-    # its hot block is now position 40.
-    table = reqs.tables[0]
-    keys = torch.randn(99 * 16, 2, 64)
-    keys[40 * 16:41 * 16] += 4 * reqs.queries[0][::3].float()
-    reqs.write(reqs.slots(0, 0, 99 * 16), keys)
-    method.begin_step(StepInfo(16, started=(RequestStart("r0", tuple(table), 99 * 16),),
-                               scheduled_req_ids=frozenset(reqs.req_ids)))
-    batch = reqs.step("layers.0", step=2)
-    log = OpLog()
-    with log:
-        selection = method.before_attention(batch)
-    assert log.syncing == []
-    assert selection.block_table[0, :3].tolist() == [table[0], table[40], table[99]]
-    stats = method.stats()
-    assert stats.blocks_summarized_from_pages == 99 and stats.blocks_probed_unchanged == 0
-
-
-@pytest.mark.parametrize("device, kernels", PATHS)
 def test_a_block_refilled_with_its_own_keys_keeps_its_summary(device, kernels):
     reqs = Requests(device, [1600, 800], [1, 1], seed=7)
     method = _method({"keep_ratio": 0.25}, kernels)
@@ -890,24 +867,27 @@ def test_a_query_quantized_for_an_fp8_cache_selects_the_blocks_its_full_precisio
     assert chosen[0] == chosen[1]
 
 
+@pytest.mark.parametrize("fp8_scale", [None, 0.05])
 @pytest.mark.parametrize("device, kernels", PATHS)
-def test_an_fp8_cache_is_read_back_scaled_and_its_blocks_are_checked_without_waiting(device, kernels):
-    """FlashAttention's per-tensor fp8 cache: pages read back times their
-    scale, probes as stored.  Blocks refilled behind the forward are checked
-    without waiting for the device: a prefix-cache hit with the same keys
-    keeps its summaries, new content is summarized from the pages, and the
-    block that new content makes hot is chosen."""
-    scale = 0.05
-    reqs = Requests(device, [1600, 800], [1, 1], seed=7, fp8_scale=scale)
-    ids = torch.tensor(reqs.tables[0][:3], device=reqs.device)
-    stored = reqs.kv.view(torch.float8_e4m3fn).index_select(0, ids).transpose(1, 2)[..., :64]
-    assert torch.equal(reqs.pages.read(ids), stored.float() * scale)
-    truth = torch.stack([reqs.keys[0][b * 16:(b + 1) * 16] for b in range(3)]).to(reqs.device).float()
-    assert (reqs.pages.read(ids) - truth).abs().max() < 0.1 * truth.abs().max()
+def test_blocks_loaded_behind_the_forward_are_checked_without_waiting(device, kernels, fp8_scale):
+    """Blocks refilled behind the forward (a connector load, a prefix-cache
+    hit) are checked without waiting for the device: one hit with the same
+    keys keeps its summaries, new content is summarized from the pages, and
+    the block that new content makes hot is chosen.  The same over
+    FlashAttention's per-tensor fp8 cache, read back times its scale
+    (probes as stored)."""
+    reqs = Requests(device, [1600, 800], [1, 1], seed=7, fp8_scale=fp8_scale)
+    if fp8_scale is not None:
+        ids = torch.tensor(reqs.tables[0][:3], device=reqs.device)
+        stored = reqs.kv.view(torch.float8_e4m3fn).index_select(0, ids).transpose(1, 2)[..., :64]
+        assert torch.equal(reqs.pages.read(ids), stored.float() * fp8_scale)
+        truth = torch.stack([reqs.keys[0][b * 16:(b + 1) * 16] for b in range(3)]).to(reqs.device).float()
+        assert (reqs.pages.read(ids) - truth).abs().max() < 0.1 * truth.abs().max()
     method = _method({"budget_blocks": 3}, kernels)
     reqs.start(method)
-    # Request 0's first 99 blocks refilled with new keys, block 40 hot; a
-    # prefix-cache hit on request 1's first 40 blocks, same keys.
+    # A connector load puts new content into request 0's first 99 blocks
+    # (its hot block is now position 40); a prefix-cache hit on request 1's
+    # first 40 blocks, same keys.
     keys = torch.randn(99 * 16, 2, 64)
     keys[40 * 16:41 * 16] += 4 * reqs.queries[0][::3].float()
     reqs.write(reqs.slots(0, 0, 99 * 16), keys)
