@@ -127,13 +127,14 @@ def layers_not_reached(forward_context: dict[str, Any]) -> dict[str, str]:
     context: layer name -> layer) whose backend's ``forward`` the layer call
     hook does not reach, by name, with their backend's class name: another
     backend (FlashInfer, an MLA one, Triton) or a subclass of a patched one
-    that brings its own ``forward``.  Those layers stay dense."""
+    that brings its own ``forward``.  Those layers stay dense.  A composite
+    impl that hands decoder calls to a patched one is reached."""
+    from .attention import hooked_impl
+
     missing = {}
     for name, layer in forward_context.items():
         impl = getattr(layer, "impl", None)
-        if impl is None:
-            continue
-        if getattr(type(impl).forward, "__ucm_patch__", None) is None:
+        if impl is not None and hooked_impl(impl) is None:
             missing[name] = type(impl).__name__
     return missing
 
@@ -144,13 +145,13 @@ def example_batches(forward_context: dict[str, Any], kv_caches: dict[str, Any], 
     layer the layer call hook reaches: layers alike in backend, head
     counts, head size and cache are one kind.  ``kv_caches``: layer name ->
     the cache vLLM registers with the connector."""
-    from .attention import example_batch, patched_key_pages
+    from .attention import example_batch, hooked_impl
 
     examples: dict[tuple, Any] = {}
     for name, layer in forward_context.items():
         kv_cache = kv_caches.get(name)
-        impl = getattr(layer, "impl", None)
-        if kv_cache is None or patched_key_pages(impl) is None:
+        impl = hooked_impl(getattr(layer, "impl", None))
+        if kv_cache is None or impl is None:
             continue
         kind = (type(impl), impl.num_heads, impl.num_kv_heads, impl.head_size, kv_cache.dtype,
                 tuple(kv_cache.shape[1:]), kv_cache.stride())

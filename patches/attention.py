@@ -147,6 +147,16 @@ def patched_key_pages(impl: Any) -> Callable | None:
     return getattr(getattr(type(impl), "forward", None), "ucm_key_pages", None) if impl is not None else None
 
 
+def hooked_impl(impl: Any) -> Any | None:
+    """The impl whose ``forward`` the hook runs in for a layer's decoder
+    calls: the layer's own, or the causal one a composite impl (vLLM's for
+    multimodal prefixes) hands them to; None where the hook does not reach."""
+    for candidate in (impl, getattr(impl, "causal_impl", None)):
+        if patched_key_pages(candidate) is not None:
+            return candidate
+    return None
+
+
 def example_batch(name: str, layer: Any, kv_cache, dtype, max_model_len: int) -> AttentionBatch | None:
     """A call of ``layer`` with no request in it, as the hook would hand it
     to the method, for ``SparseMethod.warm_up`` at start-up: one padding
@@ -156,10 +166,10 @@ def example_batch(name: str, layer: Any, kv_cache, dtype, max_model_len: int) ->
     None for a layer whose calls the hook never hands over."""
     import torch
 
-    impl = getattr(layer, "impl", None)
-    key_pages = patched_key_pages(impl)
-    if key_pages is None or not _decoder_impl(impl):
+    impl = hooked_impl(getattr(layer, "impl", None))
+    if impl is None or not _decoder_impl(impl):
         return None
+    key_pages = patched_key_pages(impl)
     device, block_size = kv_cache.device, kv_cache.shape[2]
     query_dtype = dtype
     if getattr(layer, "query_quant", None) is not None and getattr(impl, "supports_quant_query_input", False):

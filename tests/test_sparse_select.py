@@ -947,6 +947,16 @@ def test_the_example_call_of_an_fp8_layer_has_an_fp8_query_a_model_dtype_key_and
                             torch.bfloat16, 4096)
     assert example.query.dtype == example.key.dtype == torch.bfloat16
 
+    class Composite:                       # vLLM's impl for multimodal prefixes: decoder calls go to causal_impl
+        def forward(self):
+            pass
+
+    layer = _fake_flash_layer("auto", False, 1.0)
+    composite = Composite()
+    composite.causal_impl, layer.impl = layer.impl, composite
+    example = example_batch("model.layers.3.self_attn.attn", layer, plain.kv, torch.bfloat16, 4096)
+    assert example is not None and example.num_kv_heads == 2 and example.query.shape == (1, 6, 64)
+
 
 def test_fp8_pages_are_read_with_the_layers_one_scale_and_per_head_scales_leave_the_call_to_vllm():
     """compressed-tensors' per-head scales: the one float vLLM keeps beside
