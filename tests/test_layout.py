@@ -72,3 +72,15 @@ def test_a_drafter_with_kv_of_its_own_gets_its_own_namespace(on_a_gpu):
     eagle, other_eagle, mtp = with_spec("eagle3", "org/eagle-a"), with_spec("eagle3", "org/eagle-b"), with_spec("mtp")
     assert len({plain, eagle, other_eagle, mtp}) == 4
     assert with_spec("eagle3", "org/eagle-a") == eagle
+
+
+def test_a_sparse_method_gets_its_own_namespace_per_option(on_a_gpu):
+    config = _gpu_config("LBNHC")
+    dense = namespace_for(config)
+    a = namespace_for(config, sparse={"method": "block_topk", "budget_blocks": 3})
+    same = namespace_for(config, sparse={"budget_blocks": 3, "method": "block_topk"})
+    other = namespace_for(config, sparse={"method": "block_topk", "budget_blocks": 4})
+    assert a.digest == same.digest
+    assert len({dense.digest, a.digest, other.digest}) == 3
+    assert dict(a.extra) == {"sparse": '{"budget_blocks":3,"method":"block_topk"}'}
+    assert "sparse=" in a.describe() and namespace_for(config, sparse=None).digest == dense.digest

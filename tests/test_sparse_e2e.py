@@ -289,3 +289,24 @@ def test_the_sparse_option_alone_turns_the_method_on_in_the_worker():
     signatures = out["signatures"]
     assert len(signatures["warm_up"]) == 1
     assert signatures["calls"] == signatures["warm_up"]
+
+
+def test_a_sparse_engines_blocks_are_loaded_by_engines_with_its_method_and_never_by_dense_ones():
+    """Tokens decoded with thinned attention get other KV in every layer
+    after the first (and so does all that is computed after them): a
+    sparse engine's blocks live in a namespace of their own.  The prompt
+    and 200 tokens decoded sparsely, stored; a dense engine on the same
+    store finds none of it, an engine with the same method all of it."""
+    store = "disk://" + tempfile.mkdtemp(prefix="ucm-sparse-store-")
+    sparse = {"method": "block_topk", "budget_blocks": 3}
+    first = _run("sparse-saves", {"model": TINY, "store": store, "activate": False, "sparse": sparse,
+                                  "steps": [_gen("turn1", [LONG1], max_tokens=200),
+                                            {"op": "flush", "min_blocks": 13}]})["steps"]
+    assert first["turn1"]["method"]["sparse_rows"] > 0
+    turn2 = [{"tokens": list(LONG1) + first["turn1"]["outputs"][0] + list(SHORT[:20])}]
+    steps = [{"op": "generate", "name": "turn2", "max_tokens": 4, "prompts": turn2}]
+    dense = _run("dense-reads", {"model": TINY, "store": store, "steps": steps})["steps"]
+    again = _run("sparse-reads", {"model": TINY, "store": store, "activate": False, "sparse": sparse,
+                                  "steps": steps})["steps"]
+    assert dense["turn2"]["cached"] == [0]
+    assert again["turn2"]["cached"] == [13 * BLOCK]

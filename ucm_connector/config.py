@@ -124,7 +124,8 @@ OPTIONS: tuple[Option, ...] = (
            "A YAML file with the same keys; keys given in kv_connector_extra_config win.", _path),
     Option("sparse", "object", None,
            "Sparse attention at decode: {\"method\": NAME, ...options}, e.g. "
-           "{\"method\": \"block_topk\", \"keep_ratio\": 0.25}; absent = dense attention.", _sparse),
+           "{\"method\": \"block_topk\", \"keep_ratio\": 0.25}; absent = dense attention. "
+           "Part of the namespace: engines share blocks only with engines of the same option.", _sparse),
     Option("tier_write_mode", "async | sync", "async",
            "With tiers: write lower tiers in the background (async) or before a save completes (sync).",
            _choice("async", "sync")),

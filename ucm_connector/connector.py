@@ -217,7 +217,7 @@ class UCMConnector(KVConnectorBase_V1):
             # Under MultiConnector this is the child's own copy; the patch of
             # MultiConnector.__init__ settles the policy vLLM reads.
             settle_load_failure_policy(transfer_config)
-            namespace = namespace_for(vllm_config, tp_rank=0)
+            namespace = namespace_for(vllm_config, tp_rank=0, sparse=self.config.sparse)
             logger.info("ucm-connector: store %s, namespace %s, role %s", self.store.url,
                         namespace.describe(), kv_role)
             self._scheduler = UCMScheduler(
@@ -248,7 +248,7 @@ class UCMConnector(KVConnectorBase_V1):
                         f"with tensor_parallel_size {tp_size} every worker must run inside vLLM's "
                         "distributed set-up") from None
                 tp_rank = 0
-            namespace = namespace_for(vllm_config, tp_rank=tp_rank)
+            namespace = namespace_for(vllm_config, tp_rank=tp_rank, sparse=self.config.sparse)
             if self._save_enabled:
                 # What `ucm store stats` shows for this namespace (never raises).
                 write_manifest(self.store, namespace, model_name=str(vllm_config.model_config.model))

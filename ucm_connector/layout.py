@@ -8,6 +8,7 @@ it, so the two must agree without talking to each other.
 from __future__ import annotations
 
 import functools
+import json
 
 from .blockfmt import FORMAT_VERSION
 from .cache_views import PAGE_ORDER
@@ -118,9 +119,15 @@ def drafter(vllm_config) -> str:
     return f"/draft={method}:{_fingerprint(str(draft)) if draft else '-'}"
 
 
-def namespace_for(vllm_config, tp_rank: int = 0) -> Namespace:
+def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None) -> Namespace:
+    """The engine's namespace.  With a ``sparse`` method (its validated
+    option) the engine's KV lives apart from dense engines' and other
+    methods': a token decoded with thinned attention gets other KV in every
+    layer after the first, and so does every token computed after it over
+    vLLM's own prefix cache."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
+    extra = (("sparse", json.dumps(dict(sparse), sort_keys=True, separators=(",", ":"))),) if sparse else ()
     return Namespace(
         model_fingerprint=_fingerprint(str(model_config.model)),
         dtype=str(model_config.dtype),
@@ -132,6 +139,7 @@ def namespace_for(vllm_config, tp_rank: int = 0) -> Namespace:
         tp_rank=tp_rank,
         tp_size=parallel_config.tensor_parallel_size,
         format_version=FORMAT_VERSION,
+        extra=extra,
     )
 
 
