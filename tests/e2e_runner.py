@@ -19,6 +19,7 @@ Spec::
      "kv_events_port": null,             # publish KV events over ZMQ on this port
      "lora": null,                       # {"max_lora_rank": 8, "max_loras": 2}: serve LoRA
      "speculative": null,                # vLLM's speculative_config
+     "hf_overrides": null,               # vLLM's hf_overrides (a dict)
      "engines": [{...}, ...],            # several engines alive at once: each a
                                          # dict of the keys above overriding the
                                          # spec's; steps pick one with "engine": i
@@ -245,6 +246,8 @@ def build_llm(spec: dict):
         kwargs.update(enable_lora=True, **spec["lora"])
     if spec.get("speculative"):
         kwargs["speculative_config"] = spec["speculative"]
+    if spec.get("hf_overrides"):
+        kwargs["hf_overrides"] = spec["hf_overrides"]
     if spec.get("pooling"):
         from vllm.config import PoolerConfig
 

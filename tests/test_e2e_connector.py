@@ -126,6 +126,7 @@ def _with_flushes(steps):
 
 
 SW_PROMPT = _source_tokens("pathlib.py", 100, 1024)        # 8 blocks; the window covers 2
+OVERRIDES = {"rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}}   # tiny-llama's base is 10,000
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
@@ -473,6 +474,18 @@ def engines(tmp_path_factory, request):
         {"op": "reset_prefix_cache", "name": "spec_reset"}, spec_turns[1],
     ], model=SMOL, prefix_caching=True, speculative=SPECULATIVE), deps=["ref-spec"]))
 
+    # The same model files with --hf-overrides (another RoPE base): other
+    # KV, so another namespace, on a store the plain engine filled first.
+    overrides_url = f"disk://{workdir}/store-overrides"
+    eng.add(Run("plain-fills", connector(overrides_url, [
+        _gen("plain", [A]), {"op": "flush", "name": "plain_flush", "min_blocks": 5}])))
+    eng.add(Run("overridden", connector(overrides_url, [
+        _gen("ov_first", [A]), {"op": "flush", "name": "ov_flush", "min_blocks": 10},
+        _gen("ov_second", [A]),
+    ], hf_overrides=OVERRIDES), deps=["plain-fills"]))
+    eng.add(Run("ref-overridden", {"model": TINY, "store": None, "hf_overrides": OVERRIDES,
+                                   "steps": [_gen("ov_ref", [A])]}))
+
     eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
     eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
 
@@ -754,6 +767,20 @@ def test_under_speculative_decoding_blocks_loaded_from_the_store_give_vllms_own_
     assert got["spec_t2"]["cached"] == ref["spec_t2"]["cached"]
     assert _external_hits(got["spec_t2"]) == got["spec_t2"]["cached"][0]
     assert got["spec_t2"]["outputs"] == ref["spec_t2"]["outputs"]
+
+
+@uses("plain-fills", "overridden", "ref-overridden")
+def test_an_engine_with_hf_overrides_never_loads_the_plain_engines_blocks(engines):
+    """--hf-overrides changes the KV of the same files (here the RoPE base):
+    the overridden engine finds none of the plain engine's five blocks,
+    stores its own beside them and loads those; its tokens are the ones it
+    computes without a connector."""
+    plain, got = engines.result("plain-fills"), engines.result("overridden")
+    ref = engines.result("ref-overridden")
+    assert got["ov_first"]["cached"] == [0] and _external_hits(got["ov_first"]) == 0
+    assert got["ov_second"]["cached"] == [5 * BLOCK]
+    assert got["ov_first"]["outputs"] == got["ov_second"]["outputs"] == ref["ov_ref"]["outputs"]
+    assert plain["plain"]["outputs"] != ref["ov_ref"]["outputs"]        # the override changes the model
 
 
 @uses("pooling")

@@ -84,3 +84,25 @@ def test_a_sparse_method_gets_its_own_namespace_per_option(on_a_gpu):
     assert len({dense.digest, a.digest, other.digest}) == 3
     assert dict(a.extra) == {"sparse": '{"budget_blocks":3,"method":"block_topk"}'}
     assert "sparse=" in a.describe() and namespace_for(config, sparse=None).digest == dense.digest
+
+
+def test_what_changes_the_kv_beyond_the_models_files_gets_its_own_namespace(on_a_gpu):
+    """A quantization applied at load time and --hf-overrides change every
+    layer's KV with the same files; a hub name's revision names other
+    files.  At their defaults the namespace is what it always was."""
+    def digest(**settings):
+        config = _gpu_config("LBNHC")
+        config.model_config.__dict__.update(settings)
+        return namespace_for(config)
+
+    plain = digest()
+    assert plain.extra == () and digest(quantization=None, hf_overrides={}, revision=None).digest == plain.digest
+
+    def rope(config):
+        return config
+
+    variants = [digest(quantization="fp8"), digest(hf_overrides={"rope_theta": 1e6}),
+                digest(hf_overrides={"rope_theta": 2e6}), digest(hf_overrides=rope), digest(revision="v2")]
+    assert len({plain.digest} | {v.digest for v in variants}) == 6
+    assert digest(hf_overrides={"b": 1, "a": 2}).digest == digest(hf_overrides={"a": 2, "b": 1}).digest
+    assert dict(variants[0].extra) == {"quantization": "fp8"}

@@ -16,15 +16,36 @@ from .hashing import Namespace, model_fingerprint
 
 
 @functools.lru_cache(maxsize=8)
-def _fingerprint(model: str) -> str:
+def _fingerprint(model: str, revision: str | None = None) -> str:
     import os
 
     if os.path.exists(model):
         return model_fingerprint(model)
-    # A hub name with no local files: the name is all there is to go on.
+    # A hub name with no local files: the name (and the revision asked for)
+    # is all there is to go on.
     import xxhash
 
-    return "name:" + xxhash.xxh3_128_hexdigest(model.encode())
+    name = model if revision is None else f"{model}@{revision}"
+    return "name:" + xxhash.xxh3_128_hexdigest(name.encode())
+
+
+def engine_settings(model_config) -> tuple[tuple[str, str], ...]:
+    """What changes the KV of a model beyond its files (its weights and
+    ``config.json`` are in the fingerprint), as namespace extras; none at
+    the defaults, so that such engines keep their namespace: a quantization
+    vLLM applies at load time (``--quantization``, which for a
+    pre-quantized checkpoint also names the kernels vLLM chose) and
+    ``--hf-overrides`` (RoPE, layers and the like)."""
+    out = []
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:
+        out.append(("quantization", str(quantization)))
+    overrides = getattr(model_config, "hf_overrides", None)
+    if callable(overrides):
+        out.append(("hf_overrides", f"{overrides.__module__}.{overrides.__qualname__}"))
+    elif overrides:
+        out.append(("hf_overrides", json.dumps(overrides, sort_keys=True, separators=(",", ":"), default=str)))
+    return tuple(out)
 
 
 _warned: set[str] = set()
@@ -127,9 +148,11 @@ def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None) -> 
     vLLM's own prefix cache."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
-    extra = (("sparse", json.dumps(dict(sparse), sort_keys=True, separators=(",", ":"))),) if sparse else ()
+    extra = engine_settings(model_config)
+    if sparse:
+        extra += (("sparse", json.dumps(dict(sparse), sort_keys=True, separators=(",", ":"))),)
     return Namespace(
-        model_fingerprint=_fingerprint(str(model_config.model)),
+        model_fingerprint=_fingerprint(str(model_config.model), getattr(model_config, "revision", None)),
         dtype=str(model_config.dtype),
         kv_layout=kv_layout(vllm_config) + drafter(vllm_config),
         block_size=vllm_config.cache_config.block_size,
