@@ -106,3 +106,17 @@ def test_what_changes_the_kv_beyond_the_models_files_gets_its_own_namespace(on_a
     assert len({plain.digest} | {v.digest for v in variants}) == 6
     assert digest(hf_overrides={"b": 1, "a": 2}).digest == digest(hf_overrides={"a": 2, "b": 1}).digest
     assert dict(variants[0].extra) == {"quantization": "fp8"}
+
+
+def test_ucm_explain_names_a_model_as_the_connector_does_revision_included():
+    import os
+
+    from ucm_connector.explain_prompt import model_identity
+    from ucm_connector.layout import _fingerprint
+
+    for revision in (None, "v2"):
+        assert model_identity("org/some-model", revision) == _fingerprint("org/some-model", revision)
+    assert model_identity("org/some-model", "v2") != model_identity("org/some-model")
+    local = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-llama")
+    if os.path.isdir(local):               # a local directory is known by its files alone
+        assert model_identity(local, "v2") == model_identity(local) == _fingerprint(local, "v2")

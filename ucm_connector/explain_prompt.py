@@ -103,9 +103,10 @@ def prompt_token_ids(args: argparse.Namespace) -> list[int]:
     return _tokenize(text, args.tokenizer or args.model, args.chat)
 
 
-def model_identity(model: str) -> str:
+def model_identity(model: str, revision: str | None = None) -> str:
     """The model fingerprint the connector puts in its namespaces for
-    ``--model`` (``layout._fingerprint``, without importing torch)."""
+    ``--model`` and ``--revision`` (``layout._fingerprint``, without
+    importing torch)."""
     from .hashing import model_fingerprint
 
     if os.path.exists(model):
@@ -113,7 +114,9 @@ def model_identity(model: str) -> str:
             return model_fingerprint(model)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot fingerprint the model {model!r}: {exc}") from None
-    # A hub name with no local files: the name is all the connector goes on.
+    # A hub name with no local files: the name (and the revision asked for)
+    # is all the connector goes on.
     import xxhash
 
-    return "name:" + xxhash.xxh3_128_hexdigest(model.encode())
+    name = model if revision is None else f"{model}@{revision}"
+    return "name:" + xxhash.xxh3_128_hexdigest(name.encode())
