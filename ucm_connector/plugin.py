@@ -75,6 +75,11 @@ def _warn_of_speculation(vllm_config) -> bool:
     return True
 
 
+def _attention_layers(vllm_config) -> dict:
+    """vLLM's static forward context of a loaded model: layer name -> layer."""
+    return getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+
+
 def warn_of_dense_layers(vllm_config) -> dict[str, str]:
     """Once the model is loaded: warn where a configured sparse method does
     not reach some attention layers (their backend is not patched), which
@@ -83,7 +88,7 @@ def warn_of_dense_layers(vllm_config) -> dict[str, str]:
 
     if not patches.applied():
         return {}
-    context = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    context = _attention_layers(vllm_config)
     missing = patches.layers_not_reached(context)
     if missing:
         backends = ", ".join(sorted(set(missing.values())))
@@ -109,9 +114,9 @@ def warm_up_sparse(vllm_config, kv_caches: dict) -> int:
         return 0
     started, launches = time.perf_counter(), 0
     try:
-        context = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
         model = vllm_config.model_config
-        for example in patches.example_batches(context, kv_caches, model.dtype, model.max_model_len):
+        for example in patches.example_batches(_attention_layers(vllm_config), kv_caches, model.dtype,
+                                               model.max_model_len):
             launches += hooks.warm_up(example)
     except Exception as exc:  # never stop the engine for it
         logger.warning("ucm-connector: warming up the sparse attention kernels failed (%s: %s)"
