@@ -152,17 +152,21 @@ def _method(options: dict, kernels: str) -> BlockTopK:
     return BlockTopK(BlockTopKOptions.parse({"dense_below": 0, **options}), kernels=kernels)
 
 
-def _reference(options: BlockTopKOptions, layer, batch: AttentionBatch):
+def _reference(options: BlockTopKOptions, layer, batch: AttentionBatch, query_tokens: int = 1):
     """The selection as block_topk made it before it ran without waiting
     (commit 8767ccc), op for op, on current summaries: (table, lengths,
-    thinned rows, their budgets, their scores) or None."""
+    thinned rows, their budgets, their scores) or None.  With
+    ``query_tokens`` > 1, rows of up to that many query tokens are thinned
+    too, every block from their first new token's on forced in."""
     bs = batch.block_size
     qsl, seq_lens = batch.query_start_loc, batch.seq_lens
     num_reqs = seq_lens.shape[0]
     query_lens = qsl[1:num_reqs + 1] - qsl[:num_reqs]
     num_blocks = torch.div(seq_lens + bs - 1, bs, rounding_mode="floor")
-    keep = options.budget(num_blocks)
-    rows = ((query_lens == 1) & (keep < num_blocks) & (seq_lens > 0)).nonzero().flatten()
+    tail = (num_blocks - torch.div(seq_lens - query_lens, bs, rounding_mode="floor")).clamp(min=options.local_blocks)
+    keep = torch.maximum(options.budget(num_blocks), options.sink_blocks + tail)
+    decode = (query_lens >= 1) & (query_lens <= query_tokens)
+    rows = (decode & (keep < num_blocks) & (seq_lens > 0)).nonzero().flatten()
     if rows.numel() == 0:
         return None
     n_rows = num_blocks[rows].to(torch.int64)
@@ -175,7 +179,7 @@ def _reference(options: BlockTopKOptions, layer, batch: AttentionBatch):
     table = torch.where(valid, table, torch.zeros_like(table))
     last_fill = seq_lens[rows].to(torch.int64) - (n_rows - 1) * bs
     fills = torch.where(pos == (n_rows - 1).unsqueeze(1), last_fill.unsqueeze(1), torch.full_like(table, bs))
-    forced = ((pos < options.sink_blocks) | (pos >= (n_rows - options.local_blocks).unsqueeze(1))) & valid
+    forced = ((pos < options.sink_blocks) | (pos >= (n_rows - tail[rows]).unsqueeze(1))) & valid
     in_budget = torch.arange(k, device=device).unsqueeze(0) < keep_rows.unsqueeze(1)
     q = batch.query.index_select(0, qsl[rows].to(torch.int64))
     n, num_heads, d = q.shape
@@ -775,6 +779,7 @@ def _launched(path) -> set[str]:
     {"budget_blocks": 5, "reselect_every": 2, "score": "bound", "dense_below": 400},
     {"keep_ratio": 0.3, "parts": 2, "reselect_every": 3},
     {"budget_blocks": 5, "dense_below": 100000},       # never thins here: decode calls only fold their keys
+    {"keep_ratio": 0.25, "reselect_every": 2, "speculate": 3},    # rows that verify 3 drafts decode too
 ])
 def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, device, options):
     """Variants as Triton tells them apart on a GPU (argument types, what
@@ -785,7 +790,11 @@ def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, d
 
     # vLLM's block table has one width for the engine's life: 120 blocks here.
     table = 120
+    options = dict(options)
+    drafts = options.pop("speculate", 0)
     method = _method(options, "triton")
+    if drafts:
+        method.speculate(drafts)
     warm, served = tmp_path / "warm.jsonl", tmp_path / "served.jsonl"
     example = Requests(device, [40], [1], table_width=table).step("layers.0", 1)
     with record(str(warm)):
@@ -801,7 +810,8 @@ def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, d
         knobs = triton.knobs.runtime
         before, knobs.jit_post_compile_hook = knobs.jit_post_compile_hook, note
     # Serving: batches of 1, 2, 3 and 17 rows, decode steps (scored and
-    # reused), a mixed step (one row still in prefill), a method started
+    # reused), a mixed step (one row still in prefill), a step of rows
+    # verifying drafts (decode rows where the method speculates), a method started
     # while requests run (its first steps check what they read), and
     # longest rows from 5 to 100 blocks.
     try:
@@ -810,6 +820,7 @@ def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, d
                 ([1380], [1], False), ([900, 40], [1, 1], False), ([700, 1200, 300], [1, 6, 1], False),
                 ([60 + 33 * i for i in range(17)], [1] * 17, False), ([256, 100], [1, 1], False),
                 ([500], [1], False), ([70, 30], [1, 1], False), ([1600, 520], [1, 1], True),
+                ([1250, 900], [4, 2], False),
                 ([1000, 330], [1, 1], "unaligned"),
             ]):
                 reqs = Requests(device, lens, q_lens, seed=n, table_width=table)

@@ -143,8 +143,11 @@ class BlockSelection:
     Rows left alone keep their own table row and length.  A changed row lists
     the chosen blocks in position order, the partly filled last block last,
     and its length counts only the chosen tokens: the kernel reads exactly
-    those.  Positions were applied to q and k (RoPE) before attention, so
-    dropping blocks changes which keys are read, not where they are.
+    those.  The kernel lines a row's query tokens up with the end of its
+    keys (causally), so a row of several query tokens (drafts being
+    verified) must keep every block that holds one of them.  Positions
+    were applied to q and k (RoPE) before attention, so dropping blocks
+    changes which keys are read, not where they are.
     """
 
     block_table: Any
@@ -156,7 +159,7 @@ class SparseStats:
     """Counters since the method was built (decode rows only: prefill is dense)."""
 
     layer_calls: int = 0            # attention calls that had decode rows
-    decode_rows: int = 0            # (row, layer) pairs of decode requests
+    decode_rows: int = 0            # (row, layer) pairs of decode requests (drafts verified included)
     sparse_rows: int = 0            # ... of which read fewer blocks than dense
     blocks_read: int = 0            # blocks handed to the kernel for decode rows
     blocks_dense: int = 0           # blocks dense attention would have read
@@ -194,6 +197,12 @@ class SparseMethod(abc.ABC):
         of serving (compiling kernels).  Returns how many launches that
         took; must leave the method's state as it was."""
         return 0
+
+    def speculate(self, draft_tokens: int) -> None:
+        """Called at start-up where the engine decodes speculatively: a
+        request then verifies up to ``draft_tokens`` drafted tokens at a
+        step, and its decode row carries 1 to ``1 + draft_tokens`` query
+        tokens (the token it sampled last, then the drafts)."""
 
     def begin_step(self, step: StepInfo) -> None:
         """Called once per model-runner step, before its forward."""

@@ -42,7 +42,12 @@ Options (``"sparse": {"method": "block_topk", ...}``):
 
 A request whose budget covers all its blocks reads them all (no sparsity):
 short requests are exactly dense.  Prefill and chunked-prefill rows (more
-than one query token) are always dense.
+than one query token) are always dense, except under speculative decoding
+(``speculate``): there a row of up to 1 + the drafts' query tokens decodes
+(it verifies drafts), and it is thinned too, scored with its first query
+token; the blocks from the one that holds its first new token on are
+always read (the kernel lines its queries up with the end of what it
+reads), the budget growing to hold them where ``local_blocks`` does not.
 
 On a GPU a layer call never waits for the device: every shape is fixed by
 host-side facts the patch passes in ``AttentionBatch`` (number of rows, the
@@ -105,6 +110,7 @@ class BlockTopK(SparseMethod):
         self._host_stats = SparseStats()
         self._keep_tables: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._kept = KeptChoices(options.reselect_every)
+        self._query_tokens = 1              # the most query tokens of a decode row (1 + drafts verified)
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any]) -> "BlockTopK":
@@ -130,6 +136,13 @@ class BlockTopK(SparseMethod):
             with torch.inference_mode():
                 self._totals.zero_()
 
+    def speculate(self, draft_tokens: int) -> None:
+        """Rows of up to ``1 + draft_tokens`` query tokens decode: they are
+        thinned like rows of one, scored with their first query token (the
+        one that is not a draft), and their tail keeps every block that
+        holds one of their tokens."""
+        self._query_tokens = 1 + max(0, int(draft_tokens))
+
     # -- step ----------------------------------------------------------------
 
     def begin_step(self, step: StepInfo) -> None:
@@ -143,7 +156,7 @@ class BlockTopK(SparseMethod):
         if plan is not None and key is not None and plan.key == key:
             return plan
         self._flush_plan()
-        plan = self._plan = StepPlan.make(key, batch, self.options, self._thin_from)
+        plan = self._plan = StepPlan.make(key, batch, self.options, self._thin_from, self._query_tokens)
         self._kept.new_step()
         return plan
 
@@ -200,7 +213,7 @@ class BlockTopK(SparseMethod):
         kinds = ((True, (epochs,)), (True, None), (False, None))
         while wp <= last_wp:
             plan = StepPlan.make(None, dataclasses.replace(batch, max_seq_len=min(wp, top) * block_size),
-                                 self.options, self._thin_from)
+                                 self.options, self._thin_from, self._query_tokens)
             table, seq_lens = plan.outputs(batch)
             keep = self._keep_table(plan.width, device)
             for decode_only, fold in kinds:
@@ -209,7 +222,7 @@ class BlockTopK(SparseMethod):
                     layer, batch, width=plan.width, keep=keep, sink_blocks=self.options.sink_blocks,
                     local_blocks=self.options.local_blocks, bound=self.options.score == "bound",
                     query_in_order=decode_only, out_table=table, out_seq_lens=seq_lens, totals=totals,
-                    logits=plan.logits(batch), fold=fold, choice=choice)
+                    logits=plan.logits(batch), fold=fold, choice=choice, query_tokens=self._query_tokens)
                 launches += 2
                 if choice is not None:
                     kept.keep(batch.layer_name, choice)
@@ -260,12 +273,20 @@ class BlockTopK(SparseMethod):
         reuse = not plan.dense and not checking and self._kept.reusable(batch.layer_name)
         # A decode-only call on the Triton path folds its keys in the scoring
         # kernel (one launch fewer); otherwise the keys are folded first.
-        fused = triton and plan.decode_only and not plan.dense and not checking and has_keys and not reuse
+        # Under speculative decoding a slot is written again once its draft
+        # is rejected: folding would count both keys, so the blocks a call
+        # completes are summarised again from their pages.
+        speculating = self._query_tokens > 1
+        fast = triton and plan.decode_only and not speculating
+        fused = fast and not plan.dense and not checking and has_keys and not reuse
         if has_keys and not fused:
-            if triton and plan.decode_only:
+            if fast:
                 triton_select.fold_decode(layer, batch.key, batch.slot_mapping, epochs, batch.pages)
             else:
-                layer.add_keys(batch.key, plan.write_plan(batch, layer.trash), epochs, batch.pages)
+                write = plan.write_plan(batch, layer.trash)
+                layer.add_keys(batch.key, write, epochs, batch.pages)
+                if speculating and batch.pages is not None:
+                    layer.remake_completed(write, epochs, batch.pages)
         if plan.dense:
             plan.count_call(batch)
             return None
@@ -289,7 +310,7 @@ class BlockTopK(SparseMethod):
             sink_blocks=self.options.sink_blocks, local_blocks=self.options.local_blocks,
             bound=self.options.score == "bound", query_in_order=plan.decode_only,
             out_table=table, out_seq_lens=seq_lens, totals=self._totals, logits=plan.logits(batch), fold=fold,
-            choice=choice)
+            choice=choice, query_tokens=self._query_tokens)
         if choice is not None:
             self._kept.keep(batch.layer_name, choice)
         return BlockSelection(block_table=table, seq_lens=seq_lens)

@@ -214,6 +214,17 @@ class LayerSummaries:
         parts = plan.parts(self.parts, self.part_size)
         self.part_sum.view(-1, *key.shape[1:]).index_add_(0, parts, key)
 
+    def remake_completed(self, plan: "WritePlan", epochs: torch.Tensor, pages) -> None:
+        """The summaries of the blocks these keys completed (``add_keys``
+        has folded them), made again from their pages, current at their
+        epoch.  Under speculative decoding a slot is written again after its
+        draft was rejected, and a fold counts both keys: a block's summary
+        is made exact where it stops changing.  Shapes fixed by the plan's
+        (entries that completed nothing write the scratch row)."""
+        ok = plan.end_targets != self.trash
+        fills = torch.full_like(plan.end_sources, self.block_size)
+        self._rebuild_in_passes(plan.end_sources, ok, fills, epochs, pages)
+
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
 
@@ -273,12 +284,15 @@ class LayerSummaries:
         most ``REBUILD_PASS_NBYTES`` of keys (sizes known on the host, so
         no wait for the device): a whole batch's table at once would hold
         a few copies of every key it covers, gigabytes at long contexts."""
-        flat, ok, fills = table.flatten(), valid.flatten(), fills.flatten()
+        self._rebuild_in_passes(table.flatten(), valid.flatten(), fills.flatten(), epochs, pages)
+        self.behind = False
+
+    def _rebuild_in_passes(self, flat: torch.Tensor, ok: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
+                           pages) -> None:
         per_block = self.block_size * self.num_kv_heads * self.head_size * self.part_sum.element_size()
         step = max(1, REBUILD_PASS_NBYTES // per_block)
         for lo in range(0, flat.numel(), step):
             self._rebuild(flat[lo:lo + step], ok[lo:lo + step], fills[lo:lo + step], epochs, pages)
-        self.behind = False
 
     def _rebuild(self, flat: torch.Tensor, ok: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
                  pages) -> None:

@@ -45,14 +45,16 @@ class StepPlan:
     built when a path first needs them, the per-row tensors (``RowTensors``)."""
 
     def __init__(self, key: tuple | None, batch: AttentionBatch, options: BlockTopKOptions, width: int,
-                 dense: bool) -> None:
+                 dense: bool, query_tokens: int = 1) -> None:
         self.key = key
-        self._options = options
+        self.options = options
+        self.query_tokens = query_tokens    # the most query tokens of a decode row (1 + drafts)
         # Held so that the tensors' memory cannot be reused while this plan lives.
         self._alive = (batch.query_start_loc, batch.seq_lens, batch.block_table, batch.slot_mapping)
         self.num_rows = batch.seq_lens.shape[0]
         self.width = width
-        self.keep_max = options.keep_bound(width)
+        tail = tail_bound(options, query_tokens, batch.block_size)
+        self.keep_max = min(width, max(options.keep_bound(width), options.sink_blocks + tail))
         self.dense = dense
         self.below_threshold = False        # dense because of dense_below alone
         self.step_reqs_noted = False        # this step's requests noted as skipped / rebuilt (SummaryKeeper)
@@ -68,16 +70,17 @@ class StepPlan:
 
     @classmethod
     def make(cls, key: tuple | None, batch: AttentionBatch, options: BlockTopKOptions,
-             thin_from: int | None) -> "StepPlan":
+             thin_from: int | None, query_tokens: int = 1) -> "StepPlan":
         """The plan of the step ``batch`` is a layer call of; ``thin_from``:
-        ``options.thin_from()``."""
+        ``options.thin_from()``; ``query_tokens``: the most query tokens
+        of a decode row (1, or 1 + the drafts verified at a step)."""
         # Without the host-side bound the longest row has to be read back.
         max_seq_len = batch.max_seq_len if batch.max_seq_len is not None else int(batch.seq_lens.max())
         width = max(1, min(-(-max_seq_len // batch.block_size), batch.block_table.shape[1]))
         unthinnable = (thin_from is None or width < thin_from
                        or batch.key is None or batch.slot_mapping is None)
         below = not unthinnable and max_seq_len < options.dense_below_on(batch.query.device)
-        plan = cls(key, batch, options, width, unthinnable or below)
+        plan = cls(key, batch, options, width, unthinnable or below, query_tokens)
         plan.below_threshold = below
         return plan
 
@@ -88,7 +91,7 @@ class StepPlan:
 
     def tensors(self, batch: AttentionBatch) -> "RowTensors":
         if self._tensors is None:
-            self._tensors = RowTensors(batch, self.width, self.keep_max, self._options)
+            self._tensors = RowTensors(batch, self.width, self.keep_max, self.options, self.query_tokens)
         return self._tensors
 
     def outputs(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +118,8 @@ class StepPlan:
         """Count a call whose counters the host adds up (dense, or the
         torch path): the same for every layer of the step."""
         if self.call_increment is None:
-            self.call_increment = dense_increment(batch) if self.dense else self.tensors(batch).stat_increment()
+            self.call_increment = (dense_increment(batch, self.query_tokens) if self.dense
+                                   else self.tensors(batch).stat_increment())
         self.uncounted_calls += 1
 
     def stale(self, layer: LayerSummaries, epochs: torch.Tensor) -> torch.Tensor | None:
@@ -135,17 +139,33 @@ class StepPlan:
 class RowTensors:
     """Per-row facts of a step on the device, every one of a shape fixed by
     the host-side plan ([rows] or [rows, width]): computed for every row,
-    the thinned ones told apart by ``thin``."""
+    the thinned ones told apart by ``thin``.
 
-    def __init__(self, batch: AttentionBatch, width: int, keep_max: int, options: BlockTopKOptions) -> None:
+    A decode row has 1 to ``query_tokens`` query tokens (drafts being
+    verified after the first).  Its ``tail`` (the blocks from the one that
+    holds its first new token to its last, or ``local_blocks`` if more) is
+    always read, and its budget grows to hold the sinks and the tail: the
+    kernel lines the query tokens up with the end of what it reads."""
+
+    def __init__(self, batch: AttentionBatch, width: int, keep_max: int, options: BlockTopKOptions,
+                 query_tokens: int = 1) -> None:
         block_size = batch.block_size
         num_rows = batch.seq_lens.shape[0]
         qsl = batch.query_start_loc
         seq_lens = batch.seq_lens.to(torch.int64)
         device = seq_lens.device
-        self.is_decode = (qsl[1:num_rows + 1] - qsl[:num_rows]) == 1
+        q_lens = qsl[1:num_rows + 1] - qsl[:num_rows]
+        self.is_decode = is_decode(q_lens, query_tokens)
         self.num_blocks = torch.div(seq_lens + block_size - 1, block_size, rounding_mode="floor")
         self.keep = options.budget(self.num_blocks)
+        # Blocks always read at the end of each row ([rows, 1], or one number
+        # for all when every decode row has one query token).
+        tail: torch.Tensor | int = options.local_blocks
+        if query_tokens > 1:
+            first_new = torch.div((seq_lens - q_lens).clamp(min=0), block_size, rounding_mode="floor")
+            tail = torch.clamp(self.num_blocks - first_new, min=options.local_blocks)
+            self.keep = torch.where(self.is_decode, torch.maximum(self.keep, options.sink_blocks + tail), self.keep)
+            tail = tail.unsqueeze(1)
         self.thin = self.is_decode & (self.keep < self.num_blocks) & (seq_lens > 0)
         pos = torch.arange(width, device=device).unsqueeze(0)
         row_blocks = self.num_blocks.unsqueeze(1)                          # [rows, 1]
@@ -164,7 +184,7 @@ class RowTensors:
         self.last_fill = seq_lens - (self.num_blocks - 1) * block_size
         self.fills = torch.where(pos == row_blocks - 1, self.last_fill.unsqueeze(1),
                                  torch.full_like(self.table, block_size))
-        self.forced = ((pos < options.sink_blocks) | (pos >= row_blocks - options.local_blocks)) & self.valid
+        self.forced = ((pos < options.sink_blocks) | (pos >= row_blocks - tail)) & self.valid
         self.in_budget = torch.arange(keep_max, device=device).unsqueeze(0) < self.keep.unsqueeze(1)
         self.q_index = qsl[:num_rows].to(torch.int64)
         self.seq_lens = torch.where(self.thin, (self.keep - 1) * block_size + self.last_fill,
@@ -214,11 +234,24 @@ def increment(is_decode: torch.Tensor, num_blocks: torch.Tensor, dropped: torch.
                         zero, zero, zero, zero))
 
 
-def dense_increment(batch: AttentionBatch) -> torch.Tensor:
+def dense_increment(batch: AttentionBatch, query_tokens: int = 1) -> torch.Tensor:
     """What a layer call left dense adds to the counters: every decode row
     reads all its blocks."""
     num_rows = batch.seq_lens.shape[0]
     qsl = batch.query_start_loc
     num_blocks = torch.div(batch.seq_lens.to(torch.int64) + batch.block_size - 1, batch.block_size,
                            rounding_mode="floor")
-    return increment((qsl[1:num_rows + 1] - qsl[:num_rows]) == 1, num_blocks, None, None)
+    return increment(is_decode(qsl[1:num_rows + 1] - qsl[:num_rows], query_tokens), num_blocks, None, None)
+
+
+def is_decode(q_lens: torch.Tensor, query_tokens: int) -> torch.Tensor:
+    """Rows that decode: one query token, or up to ``query_tokens`` where
+    the engine verifies drafts."""
+    return q_lens == 1 if query_tokens == 1 else (q_lens >= 1) & (q_lens <= query_tokens)
+
+
+def tail_bound(options: BlockTopKOptions, query_tokens: int, block_size: int) -> int:
+    """The most blocks a decode row's tail can span: ``query_tokens``
+    consecutive tokens touch at most ``1 + ceil((query_tokens - 1) /
+    block_size)`` blocks."""
+    return max(options.local_blocks, 1 + -(-(query_tokens - 1) // block_size))

@@ -156,7 +156,8 @@ class KeptChoices:
         table, _ = plan.outputs(batch)
         seq_lens = torch.empty_like(batch.seq_lens)
         state = triton_select.reuse(last, batch, width=plan.width, keep=keep, out_table=table,
-                                    out_seq_lens=seq_lens, totals=totals)
+                                    out_seq_lens=seq_lens, totals=totals, sink_blocks=plan.options.sink_blocks,
+                                    local_blocks=plan.options.local_blocks, query_tokens=plan.query_tokens)
         self._choices[layer_name] = Choice(self._serial, last.age + 1, *state)
         return BlockSelection(block_table=table, seq_lens=seq_lens)
 

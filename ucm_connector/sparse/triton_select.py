@@ -52,8 +52,9 @@ def available() -> bool:
 RUNTIME_INTS = {
     "_fold_decode_kernel": ["key_s0", "key_s1", "kv_s0", "kv_s1"],
     "_block_logits_kernel": ["q_s0", "q_s1", "table_s0", "width", "key_s0", "key_s1", "kv_s0", "kv_s1"],
-    "_select_kernel": ["width", "num_rows", "table_s0", "out_table_s0", "choice_k"],
-    "_reuse_kernel": ["pos_s0", "k_last", "rows_last", "table_s0", "width", "num_rows", "out_table_s0", "k"],
+    "_select_kernel": ["width", "num_rows", "table_s0", "max_q", "out_table_s0", "choice_k"],
+    "_reuse_kernel": ["pos_s0", "k_last", "rows_last", "table_s0", "width", "num_rows", "max_q", "out_table_s0",
+                      "k"],
 }
 #: The pointers into vLLM's attention metadata, which Triton would also
 #: tell apart by 16-byte alignment: a row of a buffer shared by KV cache
@@ -245,18 +246,23 @@ if triton is not None:
         tl.store(out, logit, mask=(g[:, None] < G) & (j[None, :] < width))
 
     @triton.jit
-    def _row(r, qsl_ptr, seq_ptr, keep_ptr, BS: tl.constexpr, WP: tl.constexpr):
-        # Row r's facts: a decode row?, its tokens, blocks and budget, and
-        # whether it is thinned.
-        qlen = tl.load(qsl_ptr + r + 1) - tl.load(qsl_ptr + r)
+    def _row(r, qsl_ptr, seq_ptr, keep_ptr, max_q, BS: tl.constexpr, WP: tl.constexpr, SINK: tl.constexpr,
+             LOCAL: tl.constexpr):
+        # Row r's facts: a decode row (1 to max_q query tokens)?, its tokens,
+        # blocks, tail (always read: the blocks of its new tokens, at least
+        # LOCAL), budget (room for the sinks and the tail), and whether it
+        # is thinned.
+        qlen = (tl.load(qsl_ptr + r + 1) - tl.load(qsl_ptr + r)).to(tl.int64)
         seq = tl.load(seq_ptr + r).to(tl.int64)
         n = (seq + BS - 1) // BS
+        decode = (qlen >= 1) & (qlen <= max_q)
+        tail = tl.maximum(n - tl.maximum(seq - qlen, 0) // BS, LOCAL)
         keep = tl.load(keep_ptr + tl.minimum(n, WP)).to(tl.int64)
-        decode = qlen == 1
-        return decode, seq, n, keep, decode & (keep < n) & (seq > 0)
+        keep = tl.where(decode, tl.maximum(keep, SINK + tail), keep)
+        return decode, seq, n, keep, decode & (keep < n) & (seq > 0), tail
 
     @triton.jit
-    def _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, thin, read, n):
+    def _count_row(totals_ptr, r, num_rows, qsl_ptr, max_q, decode, thin, read, n):
         # Counters, in topk_plan.STATS order: ``read`` blocks of a thinned
         # row, all ``n`` of another decode row.
         tl.atomic_add(totals_ptr + 1, decode.to(tl.int64))
@@ -273,17 +279,18 @@ if triton is not None:
                 rr = r0 + chunk
                 inside = rr < num_rows
                 lens = tl.load(qsl_ptr + rr + 1, mask=inside, other=0) - tl.load(qsl_ptr + rr, mask=inside, other=0)
-                any_decode = tl.maximum(any_decode, tl.max(((lens == 1) & inside).to(tl.int64), axis=0))
+                any_decode = tl.maximum(any_decode, tl.max(((lens >= 1) & (lens <= max_q) & inside).to(tl.int64),
+                                                           axis=0))
             tl.atomic_add(totals_ptr + 0, any_decode)
 
     @_jit("_select_kernel")
-    def _select_kernel(logits_ptr, width, num_rows, qsl_ptr, seq_ptr, table_ptr, table_s0,
+    def _select_kernel(logits_ptr, width, num_rows, qsl_ptr, seq_ptr, table_ptr, table_s0, max_q,
                        keep_ptr, out_table_ptr, out_table_s0, out_seq_ptr, totals_ptr,
                        choice_pos_ptr, choice_k, choice_count_ptr, choice_nb_ptr, choice_last_ptr, choice_thin_ptr,
                        BS: tl.constexpr, HQ: tl.constexpr, HB: tl.constexpr, WP: tl.constexpr,
                        SINK: tl.constexpr, LOCAL: tl.constexpr, CHOICE: tl.constexpr):
         r = tl.program_id(0)
-        decode, seq, n, keep, thin = _row(r, qsl_ptr, seq_ptr, keep_ptr, BS, WP)
+        decode, seq, n, keep, thin, tail = _row(r, qsl_ptr, seq_ptr, keep_ptr, max_q, BS, WP, SINK, LOCAL)
         last_fill = seq - (n - 1) * BS
         new_seq = tl.where(thin, (keep - 1) * BS + last_fill, seq)
         tl.store(out_seq_ptr + r, new_seq.to(out_seq_ptr.dtype.element_ty))
@@ -294,7 +301,7 @@ if triton is not None:
             last = tl.minimum(tl.maximum(n - 1, 0), width - 1)
             tl.store(choice_last_ptr + r, tl.load(table_ptr + r * table_s0 + last).to(tl.int64))
             tl.store(choice_thin_ptr + r, thin.to(tl.int8))
-        _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, thin, keep, n)
+        _count_row(totals_ptr, r, num_rows, qsl_ptr, max_q, decode, thin, keep, n)
         if thin:
             j = tl.arange(0, WP)
             valid = j < n
@@ -310,7 +317,7 @@ if triton is not None:
                 e = e / tl.sum(e, axis=1)[:, None]
                 share += tl.sum(tl.where(heads[:, None] < HQ, e, 0.0), axis=0)
             score = share / HQ
-            forced = ((j < SINK) | (j >= n - LOCAL)) & valid
+            forced = ((j < SINK) | (j >= n - tail)) & valid
             score = tl.where(forced, float("inf"), score)
             score = tl.where(valid, score, float("-inf"))
             # The budget's worth of best positions without sorting: the
@@ -338,14 +345,14 @@ if triton is not None:
 if triton is not None:
     @_jit("_reuse_kernel")
     def _reuse_kernel(pos_ptr, pos_s0, k_last, rows_last, count_ptr, nb_ptr, last_ids_ptr, thin_ptr,
-                      qsl_ptr, seq_ptr, table_ptr, table_s0, keep_ptr, width, num_rows,
+                      qsl_ptr, seq_ptr, table_ptr, table_s0, keep_ptr, width, num_rows, max_q,
                       out_table_ptr, out_table_s0, out_seq_ptr,
                       new_pos_ptr, k, new_count_ptr, new_nb_ptr, new_last_ids_ptr, new_thin_ptr, totals_ptr,
-                      BS: tl.constexpr, WP: tl.constexpr):
+                      BS: tl.constexpr, WP: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr):
         # One program per row: the row's choice at the step before, if it
         # still describes the row (topk_reuse), plus its new last block.
         r = tl.program_id(0)
-        decode, seq, n, _keep, thin_now = _row(r, qsl_ptr, seq_ptr, keep_ptr, BS, WP)
+        decode, seq, n, _keep, thin_now, _tail = _row(r, qsl_ptr, seq_ptr, keep_ptr, max_q, BS, WP, SINK, LOCAL)
         had = r < rows_last
         cnt = tl.load(count_ptr + r, mask=had, other=0)
         nb_then = tl.load(nb_ptr + r, mask=had, other=0)
@@ -378,7 +385,7 @@ if triton is not None:
         tl.store(new_nb_ptr + r, n)
         tl.store(new_last_ids_ptr + r, tl.load(row + tl.minimum(tl.maximum(n - 1, 0), width - 1)).to(tl.int64))
         tl.store(new_thin_ptr + r, ok.to(tl.int8))
-        _count_row(totals_ptr, r, num_rows, qsl_ptr, decode, ok, count, n)
+        _count_row(totals_ptr, r, num_rows, qsl_ptr, max_q, decode, ok, count, n)
         tl.atomic_add(totals_ptr + 8, ok.to(tl.int64))                    # rows_reused
 
     _reuse_launch = _reuse_kernel.__getitem__
@@ -426,7 +433,7 @@ def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: to
 def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_blocks: int, local_blocks: int,
                      bound: bool, query_in_order: bool, out_table: torch.Tensor, out_seq_lens: torch.Tensor,
                      totals: torch.Tensor, logits: torch.Tensor, fold: tuple | None = None,
-                     choice: tuple | None = None, tile: int = 32) -> None:
+                     choice: tuple | None = None, tile: int = 32, query_tokens: int = 1) -> None:
     """Score every block of every row and write the selection into
     ``out_table`` (chosen blocks of thinned rows, first columns) and
     ``out_seq_lens`` (every row); two launches.  ``keep`` is the budget by
@@ -437,7 +444,8 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
     ``(positions [rows, k], count, num_blocks, last_ids, thin)`` it also
     writes what ``topk_reuse`` keeps of the choice: the chosen positions in
     order (thinned rows' first ``count`` columns), and per row the budget,
-    the block count, the last block's id and whether it was thinned (int8)."""
+    the block count, the last block's id and whether it was thinned (int8).
+    Decode rows have 1 to ``query_tokens`` query tokens (``RowTensors``)."""
     query = batch.query
     rows = batch.seq_lens.shape[0]
     num_heads, h, d = query.shape[1], batch.num_kv_heads, batch.head_size
@@ -477,7 +485,7 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
         dummy = _dummy(device)
         choice_args = (dummy, 0, dummy, dummy, dummy, dummy)
     _select_launch((rows,))(
-        logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0),
+        logits, width, rows, batch.query_start_loc, batch.seq_lens, table, table.stride(0), query_tokens,
         keep, out_table, out_table.stride(0), out_seq_lens, totals, *choice_args,
         CHOICE=choice is not None, BS=batch.block_size, HQ=num_heads,
         HB=max(1, min(pow2(num_heads), 16384 // width_pow2)), WP=width_pow2,
@@ -485,7 +493,8 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
 
 
 def reuse(last, batch, *, width: int, keep: torch.Tensor, out_table: torch.Tensor, out_seq_lens: torch.Tensor,
-          totals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+          totals: torch.Tensor, sink_blocks: int, local_blocks: int, query_tokens: int = 1
+          ) -> tuple[torch.Tensor, ...]:
     """``topk_reuse.KeptChoices.reuse`` in one launch: each row's choice of
     the step before (``last``, a ``Choice``) if it still describes the row,
     plus its new last block; other rows read whole.  Writes ``out_table``
@@ -506,7 +515,8 @@ def reuse(last, batch, *, width: int, keep: torch.Tensor, out_table: torch.Tenso
     assert keep.numel() >= width_pow2 + 1
     _reuse_launch((rows,))(
         last.positions, last.positions.stride(0), k_last, rows_last, last.count, last.num_blocks, last.last_ids,
-        last.thin, batch.query_start_loc, batch.seq_lens, table, table.stride(0), keep, width, rows,
+        last.thin, batch.query_start_loc, batch.seq_lens, table, table.stride(0), keep, width, rows, query_tokens,
         out_table, out_table.stride(0), out_seq_lens, positions, k, count, num_blocks, last_ids, thin, totals,
-        BS=batch.block_size, WP=width_pow2, num_warps=4 if width_pow2 <= 1024 else 8)
+        BS=batch.block_size, WP=width_pow2, SINK=sink_blocks, LOCAL=local_blocks,
+        num_warps=4 if width_pow2 <= 1024 else 8)
     return positions, count, num_blocks, last_ids, thin.view(torch.bool)
