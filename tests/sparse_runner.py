@@ -72,15 +72,17 @@ def _register_test_methods() -> None:
 
 
 class KernelSpy:
-    """Counts the blocks the CPU attention kernel is handed for decode rows
-    (query length 1): ceil(seq_len / block_size) per row, per layer call;
-    and the rows of 2 to 4 query tokens (with speculative decoding: a
-    request verifying draft tokens)."""
+    """Counts the rows of one query token (decode rows) the CPU attention
+    kernel is handed, per layer call, and their blocks (ceil(seq_len /
+    block_size) each); and the rows of 2 to 4 query tokens (with
+    speculative decoding: a request verifying draft tokens) and theirs."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.rows = 0
         self.blocks = 0
         self.verify_rows = 0
+        self.verify_blocks = 0
 
     def install(self) -> None:
         from vllm.v1.attention.backends import cpu_attn
@@ -93,18 +95,21 @@ class KernelSpy:
             qsl, seq_lens = kwargs["query_start_loc"], kwargs["seq_lens"]
             block_size = kwargs["key_cache"].shape[2]
             q_lens = qsl[1:] - qsl[:-1]
-            decode = q_lens == 1
-            spy.verify_rows += int(((q_lens > 1) & (q_lens <= 4)).sum())
+            decode, verify = q_lens == 1, (q_lens > 1) & (q_lens <= 4)
+            spy.verify_rows += int(verify.sum())
+            spy.verify_blocks += int(((seq_lens[verify] + block_size - 1) // block_size).sum())
             if bool(decode.any()):
                 spy.calls += 1
+                spy.rows += int(decode.sum())
                 spy.blocks += int(((seq_lens[decode] + block_size - 1) // block_size).sum())
             return original(*args, **kwargs)
 
         ops.cpu_attention_with_kv_cache = counted
 
     def take(self) -> dict:
-        out = {"calls": self.calls, "blocks": self.blocks, "verify_rows": self.verify_rows}
-        self.calls = self.blocks = self.verify_rows = 0
+        out = {"calls": self.calls, "rows": self.rows, "blocks": self.blocks, "verify_rows": self.verify_rows,
+               "verify_blocks": self.verify_blocks}
+        self.calls = self.rows = self.blocks = self.verify_rows = self.verify_blocks = 0
         return out
 
 
@@ -236,7 +241,9 @@ def main(spec_path: str, out_path: str) -> int:
                 if step.get("config") is None:
                     patches.revert()
                 else:
-                    apply_sparse(step["config"])
+                    # As the connector does it: with the engine's config
+                    # (speculative decoding, CUDA graphs).
+                    apply_sparse(step["config"], llm.llm_engine.vllm_config)
                 res = {"patched": patches.applied()}
             elif op == "generate":
                 prompts = [{"prompt_token_ids": [int(t) for t in p["tokens"]]} for p in step["prompts"]]

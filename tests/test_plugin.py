@@ -136,13 +136,15 @@ def test_pipeline_and_context_parallelism_are_refused_at_start_up(tmp_path):
     _refuse_unsupported_parallelism(SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=4))
 
 
-def test_sparse_attention_with_speculative_decoding_warns_that_it_may_thin_nothing(caplog):
+def test_the_sparse_method_is_told_how_many_drafts_a_speculative_engine_verifies():
     from types import SimpleNamespace
 
-    from ucm_connector.plugin import _warn_of_speculation
+    from ucm_connector.plugin import _tell_of_speculation
+    from ucm_connector.sparse import build_method
 
-    assert _warn_of_speculation(SimpleNamespace(speculative_config=None)) is False
-    assert "speculative" not in caplog.text
+    method = build_method({"method": "block_topk", "keep_ratio": 0.25})
+    assert _tell_of_speculation(method, SimpleNamespace(speculative_config=None)) == 0
+    assert method._query_tokens == 1
     engine = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3))
-    assert _warn_of_speculation(engine) is True
-    assert "with speculative decoding (ngram, 3 draft tokens)" in caplog.text
+    assert _tell_of_speculation(method, engine) == 3
+    assert method._query_tokens == 4

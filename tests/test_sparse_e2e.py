@@ -159,10 +159,7 @@ def test_revert_restores_dense_in_the_same_process(main_run):
 
 # -- speculative decoding ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def speculative_run():
-    if not os.path.isdir(SMOL):
-        pytest.skip("models/smollm2-135m missing: run `make models`")
+def _speculative_prompts() -> list[list[int]]:
     # Text that repeats itself, which a trained model goes on repeating:
     # n-gram speculation finds drafts, and they are accepted.
     from tokenizers import Tokenizer
@@ -170,8 +167,11 @@ def speculative_run():
     tok = Tokenizer.from_file(os.path.join(SMOL, "tokenizer.json"))
     with open(os.path.join(sysconfig.get_paths()["stdlib"], "textwrap.py"), encoding="utf-8") as f:
         text = f.read()
-    prompts = [tok.encode(text[:1500] * 4).ids, tok.encode(text[3000:5000] * 3).ids]
-    steps = [
+    return [tok.encode(text[:1500] * 4).ids, tok.encode(text[3000:5000] * 3).ids]
+
+
+def _speculative_steps(prompts) -> list[dict]:
+    return [
         _gen("dense", prompts, max_tokens=32),
         {"op": "sparse", "config": {"method": "test_all_blocks"}},
         _gen("all_blocks", prompts, max_tokens=32),
@@ -179,16 +179,35 @@ def speculative_run():
         _gen("topk_everything", prompts, max_tokens=32),
         {"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3}},
         _gen("topk_3", prompts, max_tokens=32),
+        {"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3, "reselect_every": 2}},
+        _gen("topk_3_reused", prompts, max_tokens=32),
     ]
+
+
+@pytest.fixture(scope="module")
+def speculative_run():
+    if not os.path.isdir(SMOL):
+        pytest.skip("models/smollm2-135m missing: run `make models`")
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    steps = _speculative_steps(_speculative_prompts())
     return _run("speculative", {"model": SMOL, "speculative": speculative, "steps": steps})["steps"]
+
+
+@pytest.fixture(scope="module")
+def plain_run():
+    """The speculative engine's steps on an engine without drafts."""
+    if not os.path.isdir(SMOL):
+        pytest.skip("models/smollm2-135m missing: run `make models`")
+    steps = [step for step in _speculative_steps(_speculative_prompts())
+             if step.get("name") in (None, "dense", "topk_3")]
+    return _run("plain", {"model": SMOL, "steps": steps})["steps"]
 
 
 def test_under_speculative_decoding_a_method_that_reads_every_block_gives_dense_outputs(speculative_run):
     """Rows that verify draft tokens (several query tokens) go through the
     patch like any other: read whole, they give vLLM's own tokens."""
     dense = speculative_run["dense"]
-    for name in ("dense", "all_blocks", "topk_everything", "topk_3"):
+    for name in ("dense", "all_blocks", "topk_everything", "topk_3", "topk_3_reused"):
         run = speculative_run[name]
         assert run["spec"].get("vllm:spec_decode_num_accepted_tokens", 0) > 0, name      # drafts were verified
         assert run["patched"] is (name != "dense") and run["kernel"]["verify_rows"] > 0, name
@@ -196,15 +215,37 @@ def test_under_speculative_decoding_a_method_that_reads_every_block_gives_dense_
         assert speculative_run[name]["outputs"] == dense["outputs"], name
 
 
-def test_under_speculative_decoding_rows_that_verify_drafts_are_not_thinned(speculative_run):
-    # Here every decode step of both requests verifies drafts: no row has a
-    # single query token, so a budget of 3 blocks thins nothing (what the
-    # connector's start-up warning says) and the tokens are dense's.
-    run = speculative_run["topk_3"]
+@pytest.mark.parametrize("name", ["topk_3", "topk_3_reused"])
+def test_under_speculative_decoding_rows_that_verify_drafts_are_thinned(speculative_run, name):
+    """Dense, every decode step of both requests verifies drafts here (no
+    row of one query token).  Told of the drafts, the method thins those
+    rows: the kernel is handed what the method counts, a fraction of
+    dense's."""
+    dense, run = speculative_run["dense"]["kernel"], speculative_run[name]
     method, kernel = run["method"], run["kernel"]
-    assert kernel["calls"] == 0 and kernel["verify_rows"] == speculative_run["dense"]["kernel"]["verify_rows"]
-    assert method["decode_rows"] == method["sparse_rows"] == 0
-    assert run["outputs"] == speculative_run["dense"]["outputs"]
+    assert dense["calls"] == 0 and kernel["verify_rows"] > 0
+    assert method["decode_rows"] == kernel["rows"] + kernel["verify_rows"]
+    assert method["sparse_rows"] > 0
+    assert method["blocks_read"] == kernel["blocks"] + kernel["verify_blocks"] < method["blocks_dense"] / 2
+    if name == "topk_3_reused":
+        assert method["rows_reused"] > 0
+
+
+def test_under_speculative_decoding_a_thinned_engine_gives_the_tokens_it_gives_without_drafts(
+        speculative_run, plain_run):
+    """Greedy speculative decoding gives the tokens of the model that
+    verifies, here thinned to 3 blocks per row (not dense's tokens: see
+    ``plain_run``).  A row that verifies drafts reads the blocks its first
+    query token chooses; while those are the ones each token would choose
+    alone, the tokens are those of the engine without drafts.  A row whose
+    query tokens were not lined up with their own keys would break at the
+    first step that verifies drafts."""
+    plain, spec = plain_run["topk_3"], speculative_run["topk_3"]
+    assert plain["outputs"] != plain_run["dense"]["outputs"]
+    assert plain_run["dense"]["outputs"] == speculative_run["dense"]["outputs"]
+    assert spec["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    for got, want in zip(spec["outputs"], plain["outputs"]):
+        assert got[:16] == want[:16]
 
 
 # -- compiled model -------------------------------------------------------------------

@@ -51,8 +51,9 @@ def apply_sparse(sparse, vllm_config=None):
         return patches.active_hooks()
     if vllm_config is not None:
         _refuse_full_cuda_graphs(vllm_config)
-        _warn_of_speculation(vllm_config)
     method = build_method(option)
+    if vllm_config is not None:
+        _tell_of_speculation(method, vllm_config)
     patches.apply(method)
     _sparse_option = option
     return method
@@ -61,18 +62,18 @@ def apply_sparse(sparse, vllm_config=None):
 _sparse_option: dict | None = None
 
 
-def _warn_of_speculation(vllm_config) -> bool:
-    """Sparse attention thins rows of one query token; with speculative
-    decoding a request verifies its draft tokens at every step it has
-    some, and such a row is read whole."""
+def _tell_of_speculation(method, vllm_config) -> int:
+    """With speculative decoding a request verifies its drafts in a decode
+    row of up to 1 + ``num_speculative_tokens`` query tokens: the method is
+    told, so that it thins those rows too.  Returns the drafts per step
+    (0: no speculation)."""
     speculative = getattr(vllm_config, "speculative_config", None)
-    if speculative is None:
-        return False
-    logger.warning(
-        "ucm-connector: with speculative decoding (%s, %s draft tokens) sparse attention reads whole every request "
-        "that verifies draft tokens at a step, and thins only steps without drafts: it may thin little or nothing",
-        getattr(speculative, "method", "?"), getattr(speculative, "num_speculative_tokens", "?"))
-    return True
+    drafts = int(getattr(speculative, "num_speculative_tokens", 0) or 0) if speculative is not None else 0
+    if drafts > 0:
+        method.speculate(drafts)
+        logger.info("ucm-connector: speculative decoding (%s, %d draft tokens): sparse attention thins the rows "
+                    "that verify drafts too", getattr(speculative, "method", "?"), drafts)
+    return drafts
 
 
 def _attention_layers(vllm_config) -> dict:
