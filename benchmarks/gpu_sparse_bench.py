@@ -34,6 +34,8 @@ Llama-3-8B attention shapes by default (32 query / 8 KV heads of 128, bf16,
   step after its first (``reselect_every``: a reused call folds the new keys
   and copies the choice, scoring nothing); the last column averages a
   scoring and a reusing step, what ``reselect_every: 2`` costs;
+* the selection where every row verifies drafts (``--verify-tokens``, 4 by
+  default: speculative decoding with 3 drafts), against rows of one token;
 * first of all, ``warm_up`` at start-up (``measure_warm_up``): its seconds,
   and the Triton variants compiled during it and, at a few steps of every
   context after it, since (0 is the design);
@@ -187,10 +189,14 @@ class Shapes:
 
 class Workload:
     """``rows`` requests of about ``context`` tokens (the i-th 13 * i shorter,
-    so that last blocks are partial) over ``layers`` paged caches."""
+    so that last blocks are partial) over ``layers`` paged caches, each
+    step's row ``query_tokens`` tokens (more than 1: a request verifying
+    drafts under speculative decoding)."""
 
-    def __init__(self, shapes: Shapes, context: int, layers: int, device: str, seed: int = 0):
+    def __init__(self, shapes: Shapes, context: int, layers: int, device: str, seed: int = 0,
+                 query_tokens: int = 1):
         self.s, self.context, self.device = shapes, context, torch.device(device)
+        self.query_tokens = q_len = query_tokens
         gen = torch.Generator(device="cpu").manual_seed(seed)
         bs, kvh, d = shapes.block_size, shapes.kv_heads, shapes.head
         self.lens = [context - 13 * i for i in range(shapes.rows)]
@@ -209,7 +215,7 @@ class Workload:
         direction = torch.randn(shapes.rows, kvh, d, generator=gen)
         q = 2 * direction.repeat_interleave(shapes.heads // kvh, dim=1) + torch.randn(shapes.rows, shapes.heads, d,
                                                                                        generator=gen)
-        self.query = q.to(torch.bfloat16).to(self.device)
+        self.query = q.to(torch.bfloat16).repeat_interleave(q_len, dim=0).to(self.device)
         self.caches, self.views = [], []
         for layer in range(layers):
             g = torch.Generator(device=self.device).manual_seed(seed * 1000 + layer)
@@ -221,10 +227,9 @@ class Workload:
                 pages[hot, :, :, :d] += (2.0 * direction[i]).to(pages.dtype).to(self.device)
             self.views.append(pages)                       # token-major [blocks, B, H, 2D]
             self.caches.append(pages.permute(0, 2, 1, 3))  # FlashAttention's logical [blocks, H, B, 2D]
-        last = torch.tensor(self.lens) - 1
-        slots = [self.tables[i][int(p) // bs] * bs + int(p) % bs for i, p in enumerate(last)]
+        slots = [self.tables[i][p // bs] * bs + p % bs for i, n in enumerate(self.lens) for p in range(n - q_len, n)]
         self.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self.qsl = torch.arange(shapes.rows + 1, dtype=torch.int32, device=self.device)
+        self.qsl = torch.arange(shapes.rows + 1, dtype=torch.int32, device=self.device) * q_len
         self.req_ids = frozenset(f"r{i}" for i in range(shapes.rows))
 
     def batches(self, layers_per_step: int) -> list[AttentionBatch]:
@@ -239,14 +244,16 @@ class Workload:
                 slot_mapping=self.slot_mapping, query_start_loc=self.qsl, seq_lens=self.seq_lens,
                 block_table=self.table, block_size=s.block_size, num_cache_blocks=self.num_blocks,
                 num_kv_heads=s.kv_heads, head_size=s.head, scale=1 / math.sqrt(s.head),
-                pages=FlashKeyPages(cache, s.head), step=0, max_seq_len=max(self.lens), max_query_len=1))
+                pages=FlashKeyPages(cache, s.head), step=0, max_seq_len=max(self.lens),
+                max_query_len=self.query_tokens))
         return out
 
     def started(self) -> StepInfo:
-        """The requests start with all but their last token already cached
+        """The requests start with all but their step's tokens already cached
         (a prefix-cache hit): the method reads those blocks from the pages."""
         return StepInfo(self.s.block_size, started=tuple(
-            RequestStart(f"r{i}", tuple(t), n - 1) for i, (t, n) in enumerate(zip(self.tables, self.lens))),
+            RequestStart(f"r{i}", tuple(t), n - self.query_tokens)
+            for i, (t, n) in enumerate(zip(self.tables, self.lens))),
             scheduled_req_ids=self.req_ids)
 
     def step(self, method: BlockTopK, batches: list[AttentionBatch], step: int, info: StepInfo | None = None):
@@ -406,6 +413,26 @@ def measure_selection(work: Workload, kernels: str, steps: int) -> dict:
     out["selection"] = (selection.block_table.clone(), selection.seq_lens.clone())
     out["read_fraction"] = method.stats().read_fraction
     out["method"] = method
+    return out
+
+
+def measure_verify(shapes: Shapes, context: int, layers: int, kernels: str, steps: int, query_tokens: int) -> dict:
+    """Selection per layer call where every row verifies ``query_tokens - 1``
+    drafts (the method told so): its keys folded in torch ops and the
+    blocks they complete summarised again from their pages, then scored
+    and selected as a decode call is."""
+    work = Workload(shapes, context, layers, DEVICE, query_tokens=query_tokens)
+    method = _method(kernels, shapes.keep_ratio)
+    method.speculate(query_tokens - 1)
+    step = Stepper(work, method)
+    out = {"kernels": kernels, "query_tokens": query_tokens}
+    out.update(_per_layer(step, steps))
+    torch.cuda.synchronize()
+    out["syncs_per_call"] = _syncs(step) / LAYERS_PER_STEP
+    launched = _kernels(step)
+    if launched is not None:
+        out["kernels_per_call"] = launched[0] / LAYERS_PER_STEP
+    out["read_fraction"] = method.stats().read_fraction
     return out
 
 
@@ -575,6 +602,14 @@ def run_context(shapes: Shapes, context: int, args, partial: list[dict]) -> dict
             traceback.print_exc()
             res[k] = {"error": traceback.format_exc(limit=3)}
         _save(args, partial)
+    if args.verify_tokens > 1:
+        try:
+            res["verify"] = measure_verify(shapes, context, args.layers, paths[0], args.steps, args.verify_tokens)
+            print(f"  {context}: verifying rows {res['verify']}", flush=True)
+        except Exception:
+            traceback.print_exc()
+            res["verify"] = {"error": traceback.format_exc(limit=3)}
+        _save(args, partial)
     if context == min(args.contexts) and not args.skip_cpu_check:
         try:
             res["cpu_vs_cuda"] = same_blocks_cpu_vs_cuda(work, paths[0])
@@ -636,6 +671,19 @@ def table(results: list[dict]) -> str:
                          f"{_us(sel.get('reused_eager_ms'))} / {_us(sel.get('reused_graph_ms'))} | "
                          f"{sel.get('reused_syncs_per_call', float('nan')):.2f} | "
                          f"{'-' if reused is None else f'{reused:.2f}'} |")
+    lines += ["", "Selection per layer call where every row verifies drafts, µs, against rows of one token:", "",
+              "| context | path | query tokens | eager | graph (device) | syncs/call | kernels/call | "
+              "eager / one token's | blocks read |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ver, one = r.get("verify"), r.get(r.get("verify", {}).get("kernels", ""), {})
+        if not ver or "eager_ms" not in ver:
+            continue
+        launched = ver.get("kernels_per_call")
+        ratio = ver["eager_ms"] / one["eager_ms"] if one.get("eager_ms") else float("nan")
+        lines.append(f"| {r['context']} | {ver['kernels']} | {ver['query_tokens']} | {_us(ver['eager_ms'])} | "
+                     f"{_us(ver.get('graph_ms'))} | {ver['syncs_per_call']:.2f} | "
+                     f"{'-' if launched is None else f'{launched:.2f}'} | {ratio:.2f} | "
+                     f"{ver['read_fraction']:.3f} |")
     lines += ["", "A layer's attention part, per layer, µs (eager / graph):", "",
               "| context | dense SDPA | hook + SDPA over the kept quarter | ratio | hook left dense + dense SDPA "
               "| dense paged | hook + paged over the selection | ratio | reusing + paged | ratio "
@@ -677,6 +725,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--torch-at", type=int, nargs="*", default=[8192, 32768],
                     help="contexts at which the torch path is timed too")
     ap.add_argument("--skip-cpu-check", action="store_true")
+    ap.add_argument("--verify-tokens", type=int, default=4,
+                    help="also time calls whose rows verify drafts, this many query tokens each (1: not)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

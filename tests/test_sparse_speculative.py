@@ -23,7 +23,8 @@ import dataclasses
 
 import pytest
 import torch
-from test_sparse_select import PATHS, SETTINGS, OpLog, Requests, _cdiv, _differences, _method, _reference
+from test_sparse_select import (PATHS, SETTINGS, OpLog, Requests, _cdiv, _differences, _kernels, _method,
+                                _reference)
 
 from ucm_connector.sparse import StepInfo
 
@@ -181,3 +182,57 @@ def test_a_slot_written_again_after_its_draft_was_rejected_counts_once_in_its_bl
     assert bool((layer.made_at[block] == method._keeper.epochs.epochs[block]).item())
     assert torch.equal(layer.probe[block], reqs.pages.probe(torch.tensor([block], device=reqs.kv.device))[0]
                        .to(layer.probe.dtype))
+
+
+def _llama_verify_step(device):
+    """Batch 8, 8k context, Llama-3-8B attention shapes: every row verifies 3 drafts."""
+    lens = [8192 - 37 * i for i in range(8)]
+    return Requests(device, lens, [4] * 8, block_size=16, heads=32, kv_heads=8, head=128, seed=1)
+
+
+# What a later layer's call of a step of verifying rows dispatches on the
+# torch path (counted here: 87; 48 for rows of one token, whose keys the
+# Triton path folds in its scoring kernel): the keys folded in torch ops,
+# and the blocks they complete summarised again from their pages.
+VERIFY_LAYER_OPS = 95
+
+
+def test_a_verifying_layer_call_on_cpu_dispatches_no_host_synchronising_op():
+    reqs = _llama_verify_step("cpu")
+    method = _method({"keep_ratio": 0.25}, "torch")
+    method.speculate(3)
+    reqs.start(method, layers=("layers.0", "layers.1"))
+    step = reqs.step("layers.0", step=2)
+    first, later = OpLog(), OpLog()
+    with first:
+        method.before_attention(step)
+    with later:
+        selection = method.before_attention(dataclasses.replace(step, layer_name="layers.1"))
+    assert first.syncing == [] and later.syncing == []
+    assert len(later.ops) <= VERIFY_LAYER_OPS, sorted(later.ops)
+    assert method.stats().sparse_rows == 16
+    _aligned(selection, reqs, reqs.lens, reqs.q_lens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", _kernels("cuda"))
+@pytest.mark.parametrize("reselect_every", [1, 2])
+def test_a_verifying_layer_call_on_cuda_never_synchronises(kernels, reselect_every):
+    reqs = _llama_verify_step("cuda")
+    method = _method({"keep_ratio": 0.25, "reselect_every": reselect_every}, kernels)
+    method.speculate(3)
+    reqs.start(method, layers=("layers.0", "layers.1"))
+    step = reqs.step("layers.0", step=2)
+    batches = [step, dataclasses.replace(step, layer_name="layers.1")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step_index in (2, 3, 4):
+            method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
+            for batch in batches:
+                batch.step = step_index
+                selection = method.before_attention(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _aligned(selection, reqs, reqs.lens, reqs.q_lens)
+    assert method.stats().sparse_rows > 0
