@@ -191,10 +191,10 @@ def _llama_verify_step(device):
 
 
 # What a later layer's call of a step of verifying rows dispatches on the
-# torch path (counted here: 87; 48 for rows of one token, whose keys the
+# torch path (counted here: 70; 48 for rows of one token, whose keys the
 # Triton path folds in its scoring kernel): the keys folded in torch ops,
 # and the blocks they complete summarised again from their pages.
-VERIFY_LAYER_OPS = 95
+VERIFY_LAYER_OPS = 75
 
 
 def test_a_verifying_layer_call_on_cpu_dispatches_no_host_synchronising_op():

@@ -221,9 +221,17 @@ class LayerSummaries:
         draft was rejected, and a fold counts both keys: a block's summary
         is made exact where it stops changing.  Shapes fixed by the plan's
         (entries that completed nothing write the scratch row)."""
-        ok = plan.end_targets != self.trash
-        fills = torch.full_like(plan.end_sources, self.block_size)
-        self._rebuild_in_passes(plan.end_sources, ok, fills, epochs, pages)
+        src, dst = plan.end_sources, plan.end_targets
+        step = self._pass_blocks()
+        for lo in range(0, src.numel(), step):
+            hi = lo + step
+            kmin, kmax, part_sum = pages.reduce(src[lo:hi], self.parts)
+            self.part_sum.index_copy_(0, dst[lo:hi], part_sum.to(self.part_sum.dtype))
+            if self.minmax is not None:
+                self.kmin.index_copy_(0, dst[lo:hi], kmin.to(self.kmin.dtype))
+                self.kmax.index_copy_(0, dst[lo:hi], kmax.to(self.kmax.dtype))
+            self.probe.index_copy_(0, dst[lo:hi], pages.probe(src[lo:hi]).to(self.probe.dtype))
+        self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
 
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
@@ -284,15 +292,16 @@ class LayerSummaries:
         most ``REBUILD_PASS_NBYTES`` of keys (sizes known on the host, so
         no wait for the device): a whole batch's table at once would hold
         a few copies of every key it covers, gigabytes at long contexts."""
-        self._rebuild_in_passes(table.flatten(), valid.flatten(), fills.flatten(), epochs, pages)
-        self.behind = False
-
-    def _rebuild_in_passes(self, flat: torch.Tensor, ok: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
-                           pages) -> None:
-        per_block = self.block_size * self.num_kv_heads * self.head_size * self.part_sum.element_size()
-        step = max(1, REBUILD_PASS_NBYTES // per_block)
+        flat, ok, fills = table.flatten(), valid.flatten(), fills.flatten()
+        step = self._pass_blocks()
         for lo in range(0, flat.numel(), step):
             self._rebuild(flat[lo:lo + step], ok[lo:lo + step], fills[lo:lo + step], epochs, pages)
+        self.behind = False
+
+    def _pass_blocks(self) -> int:
+        """Blocks one pass reads from the pages (``REBUILD_PASS_NBYTES``)."""
+        per_block = self.block_size * self.num_kv_heads * self.head_size * self.part_sum.element_size()
+        return max(1, REBUILD_PASS_NBYTES // per_block)
 
     def _rebuild(self, flat: torch.Tensor, ok: torch.Tensor, fills: torch.Tensor, epochs: torch.Tensor,
                  pages) -> None:
