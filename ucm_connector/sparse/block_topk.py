@@ -209,8 +209,9 @@ class BlockTopK(SparseMethod):
         first = max(self._thin_from, -(-self.options.dense_below_on(device) // block_size))
         wp, last_wp = max(16, triton_select.pow2(first)), max(16, triton_select.pow2(top))
         # (decode rows only, keys folded in the scoring launch): the scoring
-        # launch's variants, the same at every width.
-        kinds = ((True, (epochs,)), (True, None), (False, None))
+        # launch's variants, the same at every width (under speculative
+        # decoding keys are never folded there).
+        kinds = ((True, (epochs,)), (True, None), (False, None))[1 if self._query_tokens > 1 else 0:]
         while wp <= last_wp:
             plan = StepPlan.make(None, dataclasses.replace(batch, max_seq_len=min(wp, top) * block_size),
                                  self.options, self._thin_from, self._query_tokens)
