@@ -367,11 +367,12 @@ def _thinned_lens(lens, block_size, ratio):
     return out
 
 
-def _llama_step(device):
+def _llama_step(device, q_len: int = 1):
     """Batch 8, 8k context, Llama-3-8B attention shapes (32 / 8 heads of 128,
-    16-token blocks): two layers' history, then a decode step."""
+    16-token blocks): two layers' history, then a decode step (``q_len``
+    query tokens a row: rows that verify ``q_len - 1`` drafts)."""
     lens = [8192 - 37 * i for i in range(8)]
-    return Requests(device, lens, [1] * 8, block_size=16, heads=32, kv_heads=8, head=128, seed=1)
+    return Requests(device, lens, [q_len] * 8, block_size=16, heads=32, kv_heads=8, head=128, seed=1)
 
 
 # What a decode layer call of the torch path dispatches, views included
@@ -428,9 +429,13 @@ def test_a_decode_layer_call_that_reuses_a_choice_on_cpu_dispatches_no_host_sync
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernels", _kernels("cuda"))
 @pytest.mark.parametrize("reselect_every", [1, 2])
-def test_a_decode_layer_call_on_cuda_never_synchronises(kernels, reselect_every):
-    reqs = _llama_step("cuda")
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_a_decode_layer_call_on_cuda_never_synchronises(kernels, reselect_every, drafts):
+    # With drafts, every row verifies 3 (two of them across a block boundary).
+    reqs = _llama_step("cuda", 1 + drafts)
     method = _method({"keep_ratio": 0.25, "reselect_every": reselect_every}, kernels)
+    if drafts:
+        method.speculate(drafts)
     reqs.start(method, layers=("layers.0", "layers.1"))
     step = reqs.step("layers.0", step=2)
     batches = [step, dataclasses.replace(step, layer_name="layers.1")]
@@ -611,6 +616,19 @@ def _chosen(table: torch.Tensor, row: int, count: int) -> list[int]:
     return table[row, :count].tolist()
 
 
+def both_steps(reusing: BlockTopK, scoring: BlockTopK, batch: AttentionBatch, info: StepInfo):
+    """One step of two methods on the same batch: (the first's dispatched
+    ops, which must not wait; its selection; the second's)."""
+    for m in (reusing, scoring):
+        m.begin_step(info)
+    log = OpLog()
+    with log:
+        reused = reusing.before_attention(batch)
+    scored = scoring.before_attention(dataclasses.replace(batch))
+    assert log.syncing == []
+    return log, reused, scored
+
+
 @pytest.mark.parametrize("device, kernels", PATHS)
 def test_a_reused_choice_reads_the_blocks_of_the_step_before_and_a_new_last_block(device, kernels):
     # Row 0 has 960 tokens at step 3 (60 full blocks) and starts block 61 at
@@ -624,14 +642,7 @@ def test_a_reused_choice_reads_the_blocks_of_the_step_before_and_a_new_last_bloc
     backs = {2: 3, 3: 2, 4: 1, 5: 0}
     steps, ages = {}, {}
     for step, back in backs.items():
-        batch = _decode(reqs, "layers.0", step, back)
-        for m in (reusing, scoring):
-            m.begin_step(info)
-        log = OpLog()
-        with log:
-            reused = reusing.before_attention(batch)
-        scored = scoring.before_attention(dataclasses.replace(batch))
-        assert log.syncing == []
+        log, reused, scored = both_steps(reusing, scoring, _decode(reqs, "layers.0", step, back), info)
         steps[step] = (log, reused.block_table.clone(), reused.seq_lens.clone(),
                        scored.block_table.clone(), scored.seq_lens.clone())
         # Steps a choice has served since it was scored (0: scored at this step).

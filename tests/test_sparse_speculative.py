@@ -23,8 +23,8 @@ import dataclasses
 
 import pytest
 import torch
-from test_sparse_select import (PATHS, SETTINGS, OpLog, Requests, _cdiv, _differences, _kernels, _method,
-                                _reference)
+from test_sparse_select import (PATHS, SETTINGS, OpLog, Requests, _cdiv, _differences, _llama_step, _method,
+                                _reference, both_steps)
 
 from ucm_connector.sparse import StepInfo
 
@@ -118,14 +118,7 @@ def test_a_reused_choice_still_reads_a_verifying_rows_new_tokens_last(device, ke
     chosen = {}
     for step, (starts, ends) in plan.items():
         q_lens = [e - s for s, e in zip(starts, ends)]
-        batch = _step_batch(reqs, step, starts, ends)
-        for m in (reusing, scoring):
-            m.begin_step(info)
-        log = OpLog()
-        with log:
-            reused = reusing.before_attention(batch)
-        scored = scoring.before_attention(dataclasses.replace(batch))
-        assert log.syncing == []
+        _, reused, scored = both_steps(reusing, scoring, _step_batch(reqs, step, starts, ends), info)
         for selection in (reused, scored):
             _aligned(selection, reqs, ends, q_lens)
         chosen[step] = reused
@@ -184,12 +177,6 @@ def test_a_slot_written_again_after_its_draft_was_rejected_counts_once_in_its_bl
                        .to(layer.probe.dtype))
 
 
-def _llama_verify_step(device):
-    """Batch 8, 8k context, Llama-3-8B attention shapes: every row verifies 3 drafts."""
-    lens = [8192 - 37 * i for i in range(8)]
-    return Requests(device, lens, [4] * 8, block_size=16, heads=32, kv_heads=8, head=128, seed=1)
-
-
 # What a later layer's call of a step of verifying rows dispatches on the
 # torch path (counted here: 70; 48 for rows of one token, whose keys the
 # Triton path folds in its scoring kernel): the keys folded in torch ops,
@@ -198,7 +185,7 @@ VERIFY_LAYER_OPS = 75
 
 
 def test_a_verifying_layer_call_on_cpu_dispatches_no_host_synchronising_op():
-    reqs = _llama_verify_step("cpu")
+    reqs = _llama_step("cpu", 4)
     method = _method({"keep_ratio": 0.25}, "torch")
     method.speculate(3)
     reqs.start(method, layers=("layers.0", "layers.1"))
@@ -212,27 +199,3 @@ def test_a_verifying_layer_call_on_cpu_dispatches_no_host_synchronising_op():
     assert len(later.ops) <= VERIFY_LAYER_OPS, sorted(later.ops)
     assert method.stats().sparse_rows == 16
     _aligned(selection, reqs, reqs.lens, reqs.q_lens)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernels", _kernels("cuda"))
-@pytest.mark.parametrize("reselect_every", [1, 2])
-def test_a_verifying_layer_call_on_cuda_never_synchronises(kernels, reselect_every):
-    reqs = _llama_verify_step("cuda")
-    method = _method({"keep_ratio": 0.25, "reselect_every": reselect_every}, kernels)
-    method.speculate(3)
-    reqs.start(method, layers=("layers.0", "layers.1"))
-    step = reqs.step("layers.0", step=2)
-    batches = [step, dataclasses.replace(step, layer_name="layers.1")]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for step_index in (2, 3, 4):
-            method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
-            for batch in batches:
-                batch.step = step_index
-                selection = method.before_attention(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    _aligned(selection, reqs, reqs.lens, reqs.q_lens)
-    assert method.stats().sparse_rows > 0
