@@ -148,3 +148,26 @@ def test_the_sparse_method_is_told_how_many_drafts_a_speculative_engine_verifies
     engine = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3))
     assert _tell_of_speculation(method, engine) == 3
     assert method._query_tokens == 4
+
+
+def test_applying_the_same_sparse_option_again_tells_the_kept_method_of_the_engines_drafts():
+    """The connector applies the option again where a method is active (a
+    second engine in the process): the method is kept, and what it is told
+    follows the engine, both ways."""
+    from types import SimpleNamespace
+
+    import patches
+    from ucm_connector.plugin import apply_sparse
+
+    option = {"method": "block_topk", "keep_ratio": 0.25}
+    plain = SimpleNamespace(speculative_config=None, compilation_config=None)
+    speculative = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3),
+                                  compilation_config=None)
+    patches.revert()
+    try:
+        method = apply_sparse(option)
+        assert method._query_tokens == 1
+        assert apply_sparse(option, speculative) is method and method._query_tokens == 4
+        assert apply_sparse(option, plain) is method and method._query_tokens == 1
+    finally:
+        patches.revert()

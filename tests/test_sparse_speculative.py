@@ -26,7 +26,7 @@ import torch
 from test_sparse_select import (PATHS, SETTINGS, OpLog, Requests, _cdiv, _differences, _llama_step, _method,
                                 _reference, both_steps)
 
-from ucm_connector.sparse import StepInfo
+from ucm_connector.sparse import RequestStart, StepInfo
 
 
 def _aligned(selection, reqs: Requests, ends: list[int], q_lens: list[int]) -> None:
@@ -175,6 +175,39 @@ def test_a_slot_written_again_after_its_draft_was_rejected_counts_once_in_its_bl
     assert bool((layer.made_at[block] == method._keeper.epochs.epochs[block]).item())
     assert torch.equal(layer.probe[block], reqs.pages.probe(torch.tensor([block], device=reqs.kv.device))[0]
                        .to(layer.probe.dtype))
+
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_where_pages_cannot_be_read_a_block_with_a_rewritten_slot_loses_its_summary_and_is_read(device, kernels):
+    """Without pages (a quantized cache) the summary cannot be made again:
+    the block is read whole instead of being scored by sums that count a
+    rejected draft's key.  A block filled without rewrites keeps its own."""
+    end = 640
+    reqs = Requests(device, [end + 1, end + 1], [9, 9], seed=7)
+    method = _method({"keep_ratio": 0.25}, kernels)
+    method.speculate(3)
+    info = StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids))
+    method.begin_step(StepInfo(16, started=tuple(RequestStart(r, tuple(t), 0)
+                                                 for r, t in zip(reqs.req_ids, reqs.tables)),
+                               scheduled_req_ids=frozenset(reqs.req_ids)))
+    method.before_attention(dataclasses.replace(reqs.history("layers.0", 1), pages=None))
+    # Row 0 verifies drafts that are rejected, and writes their slots again;
+    # row 1 fills the same positions once.
+    for step, (starts, stops) in enumerate([([end - 8, end - 8], [end - 4, end - 5]),
+                                            ([end - 7, end - 5], [end - 4, end - 4]),
+                                            ([end - 4, end - 4], [end, end]),
+                                            ([end, end], [end + 1, end + 1])], start=2):
+        method.begin_step(info)
+        before = method.stats().blocks_kept_unsummarized
+        method.before_attention(dataclasses.replace(_step_batch(reqs, step, starts, stops), pages=None))
+    layer = method._layers["layers.0"]
+    rewritten, once = (reqs.tables[r][end // 16 - 1] for r in (0, 1))
+    epochs = method._keeper.epochs.epochs
+    assert int(layer.made_at[rewritten]) == -1
+    assert int(layer.made_at[once]) == int(epochs[once])
+    # The last step scored the rows' 41 blocks: that one was read unscored.
+    assert method.stats().blocks_kept_unsummarized - before == 1
 
 
 # What a later layer's call of a step of verifying rows dispatches on the

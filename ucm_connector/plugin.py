@@ -48,7 +48,10 @@ def apply_sparse(sparse, vllm_config=None):
 
     option = dict(sparse)
     if patches.applied() and _sparse_option == option and patches.active_hooks() is not None:
-        return patches.active_hooks()
+        method = patches.active_hooks()
+        if vllm_config is not None:
+            _tell_of_speculation(method, vllm_config)
+        return method
     if vllm_config is not None:
         _refuse_full_cuda_graphs(vllm_config)
     method = build_method(option)
@@ -65,14 +68,15 @@ _sparse_option: dict | None = None
 def _tell_of_speculation(method, vllm_config) -> int:
     """With speculative decoding a request verifies its drafts in a decode
     row of up to 1 + ``num_speculative_tokens`` query tokens: the method is
-    told, so that it thins those rows too.  Returns the drafts per step
-    (0: no speculation)."""
+    told (``block_topk`` then thins those rows too), and told 0 for an
+    engine without.  Returns the drafts per step (0: no speculation)."""
     speculative = getattr(vllm_config, "speculative_config", None)
     drafts = int(getattr(speculative, "num_speculative_tokens", 0) or 0) if speculative is not None else 0
+    method.speculate(drafts)
     if drafts > 0:
-        method.speculate(drafts)
-        logger.info("ucm-connector: speculative decoding (%s, %d draft tokens): sparse attention thins the rows "
-                    "that verify drafts too", getattr(speculative, "method", "?"), drafts)
+        logger.info("ucm-connector: speculative decoding (%s, %d draft tokens): sparse method %r told that a "
+                    "decode row carries up to %d query tokens", getattr(speculative, "method", "?"), drafts,
+                    method.name, 1 + drafts)
     return drafts
 
 

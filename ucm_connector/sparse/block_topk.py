@@ -48,6 +48,8 @@ than one query token) are always dense, except under speculative decoding
 token; the blocks from the one that holds its first new token on are
 always read (the kernel lines its queries up with the end of what it
 reads), the budget growing to hold them where ``local_blocks`` does not.
+vLLM's metadata does not tell such a row from a prompt's last chunk of as
+few tokens (after a prefix-cache hit, say): that chunk is thinned too.
 
 On a GPU a layer call never waits for the device: every shape is fixed by
 host-side facts the patch passes in ``AttentionBatch`` (number of rows, the
@@ -276,7 +278,8 @@ class BlockTopK(SparseMethod):
         # kernel (one launch fewer); otherwise the keys are folded first.
         # Under speculative decoding a slot is written again once its draft
         # is rejected: folding would count both keys, so the blocks a call
-        # completes are summarised again from their pages.
+        # completes are summarised again from their pages (where they cannot
+        # be read, such a block loses its summary and is read whole).
         speculating = self._query_tokens > 1
         fast = triton and plan.decode_only and not speculating
         fused = fast and not plan.dense and not checking and has_keys and not reuse
@@ -288,6 +291,8 @@ class BlockTopK(SparseMethod):
                 layer.add_keys(batch.key, write, epochs, batch.pages)
                 if speculating and batch.pages is not None:
                     layer.remake_completed(write, epochs, batch.pages)
+                elif speculating:
+                    layer.distrust_rewritten(write)
         if plan.dense:
             plan.count_call(batch)
             return None

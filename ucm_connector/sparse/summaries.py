@@ -165,6 +165,9 @@ class LayerSummaries:
         # Keys went by unfolded (calls left dense below a length threshold):
         # the blocks the next thinned call reads are rebuilt from their pages.
         self.behind = False
+        # Under speculative decoding with pages that cannot be read: keys
+        # folded into each block since it started (``distrust_rewritten``).
+        self.folded: torch.Tensor | None = None
 
     @staticmethod
     def nbytes(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
@@ -232,6 +235,20 @@ class LayerSummaries:
                 self.kmax.index_copy_(0, dst[lo:hi], kmax.to(self.kmax.dtype))
             self.probe.index_copy_(0, dst[lo:hi], pages.probe(src[lo:hi]).to(self.probe.dtype))
         self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
+
+    def distrust_rewritten(self, plan: "WritePlan") -> None:
+        """``remake_completed`` where the pages cannot be read: count the
+        keys folded into each block since it started, and a block completed
+        with more keys than it has slots (a slot written again after its
+        draft was rejected) loses its summary (``made_at`` -1): it is then
+        read rather than scored, as any block without one."""
+        if self.folded is None:
+            self.folded = torch.zeros_like(self.made_at, dtype=torch.int32)
+        self.folded.index_fill_(0, plan.starts, 0)
+        self.folded.index_add_(0, plan.blocks, torch.ones_like(plan.blocks, dtype=torch.int32))
+        ends = plan.end_targets
+        over = self.folded.index_select(0, ends) > self.block_size
+        self.made_at.index_copy_(0, ends, torch.where(over, -1, self.made_at.index_select(0, ends)))
 
     def stale(self, blocks: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
         return self.made_at.index_select(0, blocks) != epochs.index_select(0, blocks)
