@@ -228,11 +228,7 @@ class LayerSummaries:
         step = self._pass_blocks()
         for lo in range(0, src.numel(), step):
             hi = lo + step
-            kmin, kmax, part_sum = pages.reduce(src[lo:hi], self.parts)
-            self.part_sum.index_copy_(0, dst[lo:hi], part_sum.to(self.part_sum.dtype))
-            if self.minmax is not None:
-                self.kmin.index_copy_(0, dst[lo:hi], kmin.to(self.kmin.dtype))
-                self.kmax.index_copy_(0, dst[lo:hi], kmax.to(self.kmax.dtype))
+            self._store(dst[lo:hi], *pages.reduce(src[lo:hi], self.parts))
             self.probe.index_copy_(0, dst[lo:hi], pages.probe(src[lo:hi]).to(self.probe.dtype))
         self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
 
@@ -325,14 +321,17 @@ class LayerSummaries:
         src = torch.where(ok, flat, 0)
         dst = torch.where(ok, flat, self.trash)
         fills = torch.where(ok, fills, 0)
-        kmin, kmax, part_sum = self._from_pages(src, fills, pages)
-        self.part_sum.index_copy_(0, dst, part_sum)
-        if self.minmax is not None:
-            self.kmin.index_copy_(0, dst, kmin)
-            self.kmax.index_copy_(0, dst, kmax)
+        self._store(dst, *self._from_pages(src, fills, pages))
         pad = torch.arange(self.block_size, device=src.device).unsqueeze(0) >= fills.unsqueeze(1)
         self.probe.index_copy_(0, dst, pages.probe(src).to(self.probe.dtype).masked_fill(pad, float("nan")))
         self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
+
+    def _store(self, blocks: torch.Tensor, kmin, kmax, part_sum: torch.Tensor) -> None:
+        """Summaries of ``blocks`` set to these (min and max ignored without bounds)."""
+        self.part_sum.index_copy_(0, blocks, part_sum.to(self.part_sum.dtype))
+        if self.minmax is not None:
+            self.kmin.index_copy_(0, blocks, kmin.to(self.kmin.dtype))
+            self.kmax.index_copy_(0, blocks, kmax.to(self.kmax.dtype))
 
     def _from_pages(self, blocks: torch.Tensor, fills: torch.Tensor, pages):
         """min, max and slice sums of the first ``fills`` tokens of each block."""
@@ -368,18 +367,10 @@ class LayerSummaries:
         blocks, fills, now = blocks[redo], fills[redo], now[redo]
         full = fills == block_size
         if bool(full.any()):
-            kmin, kmax, part_sum = pages.reduce(blocks[full], self.parts)
-            if self.minmax is not None:
-                self.kmin.index_copy_(0, blocks[full], kmin.to(self.kmin.dtype))
-                self.kmax.index_copy_(0, blocks[full], kmax.to(self.kmax.dtype))
-            self.part_sum.index_copy_(0, blocks[full], part_sum.to(self.part_sum.dtype))
+            self._store(blocks[full], *pages.reduce(blocks[full], self.parts))
         if not bool(full.all()):
-            some, some_fills = blocks[~full], fills[~full]
-            kmin, kmax, part_sum = self._from_pages(some, some_fills, pages)
-            if self.minmax is not None:
-                self.kmin.index_copy_(0, some, kmin)
-                self.kmax.index_copy_(0, some, kmax)
-            self.part_sum.index_copy_(0, some, part_sum)
+            some = blocks[~full]
+            self._store(some, *self._from_pages(some, fills[~full], pages))
         self.probe.index_copy_(0, blocks, now.masked_fill(
             torch.arange(block_size, device=blocks.device).unsqueeze(0) >= fills.unsqueeze(1), float("nan")))
         return int(same.sum()), int(blocks.numel())
