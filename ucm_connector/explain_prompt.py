@@ -107,16 +107,11 @@ def model_identity(model: str, revision: str | None = None) -> str:
     """The model fingerprint the connector puts in its namespaces for
     ``--model`` and ``--revision`` (``layout._fingerprint``, without
     importing torch)."""
-    from .hashing import model_fingerprint
+    from .hashing import model_fingerprint, name_fingerprint
 
     if os.path.exists(model):
         try:
             return model_fingerprint(model)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot fingerprint the model {model!r}: {exc}") from None
-    # A hub name with no local files: the name (and the revision asked for)
-    # is all the connector goes on.
-    import xxhash
-
-    name = model if revision is None else f"{model}@{revision}"
-    return "name:" + xxhash.xxh3_128_hexdigest(name.encode())
+    return name_fingerprint(model, revision)

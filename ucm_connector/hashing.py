@@ -110,6 +110,13 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CONFIG_KEYS_IGNORED = ("transformers_version",)
 
 
+def name_fingerprint(model: str, revision: str | None = None) -> str:
+    """The fingerprint of a hub model name with no local files: the name,
+    and the revision asked for, are all there is to go on."""
+    name = model if revision is None else f"{model}@{revision}"
+    return "name:" + xxhash.xxh3_128_hexdigest(name.encode())
+
+
 def model_fingerprint(model_path: str | os.PathLike) -> str:
     """A 32-hex-digit fingerprint of a model's weights and config, the same
     for a copy in another directory and different when the weights differ.

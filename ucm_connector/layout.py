@@ -12,7 +12,7 @@ import json
 
 from .blockfmt import FORMAT_VERSION
 from .cache_views import PAGE_ORDER
-from .hashing import Namespace, model_fingerprint
+from .hashing import Namespace, model_fingerprint, name_fingerprint
 
 
 @functools.lru_cache(maxsize=8)
@@ -21,12 +21,7 @@ def _fingerprint(model: str, revision: str | None = None) -> str:
 
     if os.path.exists(model):
         return model_fingerprint(model)
-    # A hub name with no local files: the name (and the revision asked for)
-    # is all there is to go on.
-    import xxhash
-
-    name = model if revision is None else f"{model}@{revision}"
-    return "name:" + xxhash.xxh3_128_hexdigest(name.encode())
+    return name_fingerprint(model, revision)
 
 
 def engine_settings(model_config) -> tuple[tuple[str, str], ...]:
