@@ -198,9 +198,15 @@ def plain_run():
     """The speculative engine's steps on an engine without drafts."""
     if not os.path.isdir(SMOL):
         pytest.skip("models/smollm2-135m missing: run `make models`")
-    steps = [step for step in _speculative_steps(_speculative_prompts())
-             if step.get("name") in (None, "dense", "topk_3")]
+    prompts = _speculative_prompts()
+    steps = [step for step in _speculative_steps(prompts) if step.get("name") in (None, "dense", "topk_3")]
+    steps += [{"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3, **CHANNELS}},
+              _gen("topk_3_channels", prompts, max_tokens=32)]
     return _run("plain", {"model": SMOL, "steps": steps})["steps"]
+
+
+# Slices of 16 tokens bounded apart on 8 key channels.
+CHANNELS = {"score": "bound", "parts": 8, "channels": 8}
 
 
 def test_under_speculative_decoding_a_method_that_reads_every_block_gives_dense_outputs(speculative_run):
@@ -246,6 +252,17 @@ def test_under_speculative_decoding_a_thinned_engine_gives_the_tokens_it_gives_w
     assert spec["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
     for got, want in zip(spec["outputs"], plain["outputs"]):
         assert got[:16] == want[:16]
+
+
+def test_channels_chosen_from_the_cpu_pages_thin_what_the_kernel_reads(plain_run):
+    """``channels`` on vLLM's CPU cache: the channels are chosen from its
+    ISA-packed pages at the first call, the layers' summaries made from
+    them, and every decode row reads its budget: what the method counts is
+    what the kernel was handed."""
+    dense, run = plain_run["dense"]["kernel"], plain_run["topk_3_channels"]
+    method, kernel = run["method"], run["kernel"]
+    assert method["sparse_rows"] == method["decode_rows"] > 0
+    assert method["blocks_read"] == kernel["blocks"] == 3 * method["decode_rows"] < dense["blocks"] / 2
 
 
 # -- compiled model -------------------------------------------------------------------

@@ -26,6 +26,15 @@ Options (``"sparse": {"method": "block_topk", ...}``):
   in log space): a slice's mean, finer than the block's, keeps a few strong
   keys from being averaged away; finer, and slower.  A block size that
   ``parts`` does not divide is scored whole;
+* ``channels`` (default none): summarise keys on this many of their
+  channels only (per KV head, the loudest in the keys seen; see
+  ``key_channels``), which makes fine summaries cheap: with ``score:
+  "bound"``, ``parts`` then cuts each block into slices bounded apart
+  (their bounds, weighted by their token counts, added up in log space),
+  and with ``"mean"`` a ``parts`` of the block size scores every key on its
+  own.  A block that one key makes count (the token a copy of earlier text
+  continues from) then stands out, where its mean key does not.  Always
+  scored by the torch path;
 * ``min_blocks`` (default 0): requests with fewer blocks are read whole (at
   short contexts the selection costs more than it saves);
 * ``dense_below`` (tokens; default: the device's measured crossover,
@@ -75,7 +84,8 @@ path selects, and the counters.  The pieces: ``topk_options`` (the options
 and the budget), ``topk_plan`` (what a step's layers share), ``summaries``
 and ``summary_keeper`` (the key summaries and how current they are),
 ``torch_select`` and ``triton_select`` (the selection), ``topk_reuse`` (a
-choice reused over steps).
+choice reused over steps), ``key_channels`` (``channels``: the channels, and
+calls, keys and pages cut down to them).
 """
 
 from __future__ import annotations
@@ -87,6 +97,7 @@ import torch
 
 from . import torch_select, triton_select
 from .base import AttentionBatch, BlockSelection, SparseMethod, SparseStats, StepInfo
+from .key_channels import SAMPLE_BLOCKS, SAMPLE_ROWS, KeyChannels
 from .summaries import LayerSummaries, to_device
 from .summary_keeper import NoRoom, SummaryKeeper
 from .topk_options import DENSE_BELOW_DEFAULT, BlockTopKOptions
@@ -104,7 +115,13 @@ class BlockTopK(SparseMethod):
         # "auto": Triton on CUDA where it is installed, else torch; "torch"
         # or "triton" force one (benchmarks and tests compare them).
         self.kernels = kernels
-        self._keeper = SummaryKeeper(parts=options.parts, bounds=options.score == "bound")
+        self._channels = KeyChannels(options.channels) if options.channels is not None else None
+        bound = options.score == "bound"
+        if self._channels is not None and bound:
+            # Scored by the torch path alone: slices of the bound, and no sums.
+            self._keeper = SummaryKeeper(parts=1, bounds=True, bound_parts=options.parts, start_behind=True)
+        else:
+            self._keeper = SummaryKeeper(parts=options.parts, bounds=bound, start_behind=self._channels is not None)
         self._thin_from = options.thin_from()
         self._plan: StepPlan | None = None
         # Counters on the device (see STATS), and those only the host sees.
@@ -240,7 +257,7 @@ class BlockTopK(SparseMethod):
     # -- layer ---------------------------------------------------------------
 
     def _use_triton(self, device: torch.device) -> bool:
-        if self.kernels == "torch":
+        if self.kernels == "torch" or self._channels is not None:
             return False
         if self.kernels == "triton":
             return True
@@ -255,13 +272,26 @@ class BlockTopK(SparseMethod):
         plan = self._step_plan(batch)
         device = batch.query.device
         keeper = self._keeper
+        totals = self._device_totals(device)
+        if self._channels is not None:
+            channels = self._channels.layer(batch.layer_name)
+            if channels.chosen is None and not plan.dense and batch.pages is not None:
+                t = plan.tensors(batch)
+                rows, blocks = min(SAMPLE_ROWS, plan.num_rows), min(SAMPLE_BLOCKS, plan.width)
+                channels.choose(batch.pages, t.table[:rows, :blocks].flatten(), t.valid[:rows, :blocks].flatten())
+            if channels.chosen is None or batch.pages is None:
+                # Nothing to thin before the channels are chosen (or no pages
+                # to choose them and to catch up from): dense.
+                keeper.left_dense(plan)
+                plan.count_call(batch)
+                return None
+            batch = channels.project(batch)
         epochs = keeper.epochs.get(batch.num_cache_blocks, device)
         try:
             layer = keeper.layer(batch)
         except NoRoom:                          # no device memory for its summaries: dense
             plan.count_call(batch)
             return None
-        totals = self._device_totals(device)
         keeper.apply_pending(layer, batch, epochs, totals)
         if plan.below_threshold and batch.pages is not None:
             keeper.leave_behind(layer, plan)

@@ -50,6 +50,7 @@ class BlockTopKOptions:
     min_blocks: int = 0                 # requests with fewer blocks are read whole
     dense_below: int | None = None      # tokens; None: DENSE_BELOW_DEFAULT for the device
     reselect_every: int = 1             # decode steps a layer's choice of blocks serves (1: every step chooses)
+    channels: int | None = None         # key channels the summaries keep, per KV head (None: all)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "BlockTopKOptions":
@@ -95,9 +96,14 @@ class BlockTopKOptions:
         if not _is_int(reselect_every) or reselect_every < 1:
             raise SparseConfigError(
                 f"block_topk: reselect_every: expected a number of decode steps >= 1, got {reselect_every!r}")
+        channels = options.get("channels", cls.channels)
+        if channels is not None:
+            if not _is_int(channels) or channels < 1:
+                raise SparseConfigError(
+                    f"block_topk: channels: expected a number of key channels >= 1, got {channels!r}")
         return cls(keep_ratio=ratio, budget_blocks=budget, sink_blocks=sink_blocks, local_blocks=local_blocks,
                    score=score, parts=parts, min_blocks=min_blocks, dense_below=dense_below,
-                   reselect_every=reselect_every)
+                   reselect_every=reselect_every, channels=channels)
 
     def budget(self, num_blocks: torch.Tensor) -> torch.Tensor:
         """Blocks to read for requests of ``num_blocks`` blocks (elementwise)."""

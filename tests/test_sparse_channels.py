@@ -1,0 +1,174 @@
+"""block_topk's ``channels`` option, without vLLM, on the torch path (the
+option always runs there): blocks summarised on a few key channels, finely
+enough to see single keys (slices of a few tokens with ``score: bound``, or
+of one token).
+
+* a block that matters for one key in it (a "needle": the token a copy
+  continues from) is chosen, where blocks' mean keys pass it over for
+  blocks whose every key is a little closer to the query;
+* the slices' min and max, folded as keys are written or made from the
+  pages, are those of the keys on the chosen channels;
+* the channels are the ones where the keys are loudest, chosen from the
+  pages at a layer's first call that can thin; calls before it (below
+  ``dense_below``) are left dense and that call rebuilds from the pages
+  what they did not fold;
+* a decode call waits for nothing, also when rows verify drafts, and those
+  rows read their new tokens last;
+* bad option sets are refused with the option named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_sparse_select import DEVICES, OpLog, Requests, _cdiv, _method
+from test_sparse_speculative import LENS, Q_LENS, _aligned
+
+from ucm_connector.sparse import RequestStart, SparseConfigError, StepInfo
+from ucm_connector.sparse.block_topk import BlockTopKOptions
+
+# The first chunk is shorter than DENSE_BELOW: left dense, before any channel is chosen.
+BS, LEN, NEEDLE, FIRST_CHUNK, DENSE_BELOW = 16, 1024, 150, 200, 400
+# What a later layer's decode call dispatches with channels and rows that
+# verify drafts (counted here: 79 on single keys and 108 with sliced bounds,
+# against 70 scoring whole blocks' mean keys): the projection of the query,
+# keys and pages, and the slices' min and max folded and remade.
+LATER_LAYER_OPS = {"sliced-bound": 115, "tokens": 85}
+
+
+def _haystack(seed: int):
+    """One request of 1,024 tokens (64 blocks of 16): keys loud on 8
+    channels per KV head, 20 "warm" blocks whose every key is a little
+    closer to the query than chance, and one key (token 150, block 9, not a
+    warm one) far closer.  Returns the requests, the loud channels and the
+    warm blocks' positions."""
+    gen = torch.Generator().manual_seed(seed)
+    reqs = Requests("cpu", [LEN], [1], block_size=BS, heads=6, kv_heads=2, head=64, seed=seed)
+    loud = torch.stack([torch.randperm(64, generator=gen)[:8].sort().values for _ in range(2)])   # [kv, 8]
+    sign = torch.tensor([1.0, -1.0] * 4)
+    keys = torch.randn(LEN, 2, 64, generator=gen)
+    query = 0.3 * torch.randn(6, 64, generator=gen)
+    warm = [p for p in torch.randperm(62, generator=gen).add(1).tolist() if p != NEEDLE // BS][:20]
+    for h in range(2):
+        keys[:, h, loud[h]] += 4.0
+        query[3 * h:3 * h + 3, loud[h]] = sign          # sums to 0 over the loud channels: the 4.0 cancels
+        for p in warm:
+            keys[p * BS:(p + 1) * BS, h, loud[h]] += 0.5 * sign
+        keys[NEEDLE, h, loud[h]] += 6.0 * sign
+    reqs.keys[0] = keys.to(torch.bfloat16)
+    reqs.queries[0] = query.to(torch.bfloat16)
+    reqs.write(reqs.slots(0, 0, LEN), reqs.keys[0])
+    return reqs, loud, warm
+
+
+def _run(reqs: Requests, options: dict):
+    """The request's history in two prefill calls (the first left dense for
+    its length), then a decode call."""
+    method = _method({"dense_below": DENSE_BELOW, **options}, "torch")
+    ids = frozenset(reqs.req_ids)
+    method.begin_step(StepInfo(BS, started=(RequestStart("r0", tuple(reqs.tables[0]), 0),), scheduled_req_ids=ids))
+    first = reqs._batch("layers.0", 1, [(0, FIRST_CHUNK)], [FIRST_CHUNK], [])
+    early = method.before_attention(first)
+    made_early = "layers.0" in method._layers
+    method.begin_step(StepInfo(BS, scheduled_req_ids=ids))
+    method.before_attention(reqs._batch("layers.0", 2, [(FIRST_CHUNK, LEN - 1)], [LEN - 1], []))
+    method.begin_step(StepInfo(BS, scheduled_req_ids=ids))
+    assert not method._keeper.checking()       # nothing is looked for on the device
+    selection = method.before_attention(reqs.step("layers.0", step=3))
+    return method, selection, early, made_early
+
+
+def _positions(reqs: Requests, selection) -> list[int]:
+    position = {b: p for p, b in enumerate(reqs.tables[0])}
+    length = int(selection.seq_lens[0])
+    return [position[b] for b in selection.block_table[0, :_cdiv(length, BS)].tolist()]
+
+
+# 8-token slices bounded on 8 channels; single keys on 8 channels.
+SLICED = {"score": "bound", "parts": 2, "channels": 8}
+TOKENS = {"parts": 16, "channels": 8}
+
+
+@pytest.mark.parametrize("settings", [SLICED, TOKENS], ids=["sliced-bound", "tokens"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_block_that_matters_for_one_key_is_chosen_where_mean_keys_pass_it_over(seed, settings):
+    reqs, loud, warm = _haystack(seed)
+    method, selection, early, made_early = _run(reqs, {"keep_ratio": 0.125, **settings})
+    # The first call came before the channels were chosen: dense, and no summaries yet.
+    assert early is None and not made_early
+    assert torch.equal(method._channels._layers["layers.0"].chosen, loud)
+    read = _positions(reqs, selection)
+    assert len(read) == 8 and read[0] == 0 and read[-1] == 63
+    # The needle's block was in the call that folded nothing: the first
+    # thinned call rebuilt it from the pages, and found it.
+    assert NEEDLE // BS in read, read
+
+    _, by_mean, _, _ = _run(reqs, {"keep_ratio": 0.125})
+    read = _positions(reqs, by_mean)
+    assert NEEDLE // BS not in read and set(read[1:-1]) <= set(warm)
+
+
+def test_the_slices_bounds_are_those_of_the_keys_on_the_chosen_channels():
+    reqs, loud, _ = _haystack(0)
+    keys = reqs.keys[0].float()
+
+    def check(layer, positions):
+        for position in positions:
+            block = keys[position * BS:(position + 1) * BS]
+            on_loud = torch.stack([block[:, h, loud[h]] for h in range(2)], dim=1).view(2, BS // 2, 2, 8)
+            b = reqs.tables[0][position]
+            assert torch.equal(layer.kmin[b], on_loud.amin(dim=1)), position
+            assert torch.equal(layer.kmax[b], on_loud.amax(dim=1)), position
+
+    method = _method({"keep_ratio": 0.125, "dense_below": DENSE_BELOW, **SLICED}, "torch")
+    ids = frozenset(reqs.req_ids)
+    method.begin_step(StepInfo(BS, started=(RequestStart("r0", tuple(reqs.tables[0]), 0),), scheduled_req_ids=ids))
+    for step, (start, end) in enumerate([(0, FIRST_CHUNK), (FIRST_CHUNK, 600), (600, LEN - 1)], start=1):
+        method.begin_step(StepInfo(BS, scheduled_req_ids=ids))
+        method.before_attention(reqs._batch("layers.0", step, [(start, end)], [end], []))
+    layer = method._layers["layers.0"]
+    assert layer.kmin.shape[1:] == (2, 2, 8) and layer.part_sum.shape[1] == 1
+    # Made from the pages by the second call, which chose the channels
+    # (the first call's keys went by unfolded; its own were in the pages) ...
+    check(layer, (0, 9, 30))
+    # ... and folded as the third call wrote their keys (block 37 both).
+    check(layer, (37, 50, 62))
+
+
+def test_channels_wider_than_a_key_score_every_channel():
+    reqs, _, _ = _haystack(0)
+    method, selection, _, _ = _run(reqs, {"keep_ratio": 0.125, "parts": 16, "channels": 256})
+    assert method._channels._layers["layers.0"].chosen.tolist() == [list(range(64))] * 2
+    assert NEEDLE // BS in _positions(reqs, selection)
+
+
+@pytest.mark.parametrize("settings", [SLICED, TOKENS], ids=["sliced-bound", "tokens"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_decode_call_with_channels_waits_for_nothing_and_verifying_rows_read_their_tokens_last(device, settings):
+    reqs = Requests(device, LENS, Q_LENS, seed=3)
+    method = _method({"keep_ratio": 0.25, **settings}, "torch")
+    method.speculate(3)
+    reqs.start(method, layers=("layers.0", "layers.1"))
+    step = reqs.step("layers.0", step=2)
+    method.before_attention(step)
+    log = OpLog()
+    with log:
+        selection = method.before_attention(dataclasses.replace(step, layer_name="layers.1"))
+    assert log.syncing == []
+    print(f"ops: {len(log.ops)}")
+    assert len(log.ops) <= LATER_LAYER_OPS["tokens" if settings is TOKENS else "sliced-bound"]
+    thinned = [r for r in range(len(LENS)) if int(selection.seq_lens[r]) < LENS[r]]
+    assert {0, 1, 2, 4, 5} <= set(thinned) and not {3, 6} & set(thinned)
+    _aligned(selection, reqs, LENS, Q_LENS)
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"channels": 0}, "channels: expected a number of key channels >= 1, got 0"),
+    ({"channels": "8"}, "channels: expected a number of key channels >= 1, got '8'"),
+])
+def test_bad_channel_options_are_refused_with_the_option_named(options, named):
+    with pytest.raises(SparseConfigError, match="block_topk: ") as err:
+        BlockTopKOptions.parse(options)
+    assert named in str(err.value)

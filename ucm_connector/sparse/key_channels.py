@@ -1,0 +1,102 @@
+"""``block_topk``'s ``channels`` option: summaries of a few of each key's
+channels, fine enough to see single keys.
+
+A block's mean key averages a single strong key away, and Quest's bound over
+a whole block's keys is loose: a query that needs one token far back (a
+copy of earlier text, a fact looked up) finds no block that stands out.
+Finer summaries see it (slices of a few tokens bounded apart, or every key
+on its own), but over all channels they would take as much memory as the
+keys.  With ``channels: r`` the summaries keep ``r`` of each key's channels:
+per KV head, those where the keys seen so far are largest in magnitude (a
+layer's keys put most of their weight on a few channels, the same whatever
+the text), and the query is scored on the same ``r``.
+
+The channels are chosen once per layer, at its first call that can thin:
+from the keys of a few blocks its rows read (the first ``SAMPLE_BLOCKS``
+of each of the first ``SAMPLE_ROWS`` rows), read from the pages.  The
+layer's summaries are made then, and that call rebuilds from the pages what
+its rows read (``SummaryKeeper``'s ``catch_up``, as after calls left dense
+below ``dense_below``).
+
+Here the choice and the projection: of a call's query and keys onto the
+channels, and of the pages' keys (``ChannelPages``), so that the summaries
+and the selection run unchanged, on keys ``r`` wide.  Knows attention math
+and tensors; nothing of vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .base import AttentionBatch, KeyPages
+
+#: The blocks a layer's channels are chosen from: the first SAMPLE_BLOCKS
+#: of each of the first SAMPLE_ROWS rows of its first call that can thin.
+SAMPLE_ROWS, SAMPLE_BLOCKS = 8, 16
+
+
+class ChannelPages(KeyPages):
+    """A layer's pages, their keys cut down to the chosen channels.  Probes
+    are the cache's own (they tell whether a page still holds the keys a
+    summary was made from, whatever the summary keeps)."""
+
+    def __init__(self, pages: KeyPages, channels: torch.Tensor) -> None:
+        self._pages = pages
+        self._channels = channels           # [num_kv_heads, r]
+
+    def read(self, block_ids: torch.Tensor) -> torch.Tensor:
+        keys = self._pages.read(block_ids)  # [n, block_size, H, D]
+        index = self._channels.view(1, 1, *self._channels.shape).expand(*keys.shape[:2], -1, -1)
+        return keys.gather(3, index)
+
+    def probe(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return self._pages.probe(block_ids)
+
+
+class LayerChannels:
+    """One layer's channels (``chosen`` None: not chosen yet)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.chosen: torch.Tensor | None = None        # [H, r] int64, ascending
+        self.query_index: torch.Tensor | None = None   # [num_heads, r]: each query head's KV head's
+
+    def choose(self, pages: KeyPages, blocks: torch.Tensor, valid: torch.Tensor) -> None:
+        """Choose, per KV head, the ``count`` channels where the keys of
+        ``blocks`` (1-D; ``valid``: those that hold a request's keys), read
+        from the pages, are largest in magnitude.  Never waits for the device."""
+        keys = pages.read(blocks)                       # [n, block_size, H, D]
+        magnitude = torch.where(valid.view(-1, 1, 1, 1), keys.float().abs(), 0.0).sum(dim=(0, 1))
+        r = min(self.count, magnitude.shape[1])
+        self.chosen = magnitude.topk(r, dim=1).indices.sort(dim=1).values
+
+    def project(self, batch: AttentionBatch) -> AttentionBatch:
+        """``batch`` on the chosen channels: its query (each head on its KV
+        head's channels), its keys and its pages, ``r`` wide."""
+        chosen = self.chosen
+        num_heads = batch.query.shape[1]
+        if self.query_index is None or self.query_index.device != chosen.device:
+            self.query_index = chosen.repeat_interleave(num_heads // chosen.shape[0], dim=0)
+        q_index = self.query_index.unsqueeze(0).expand(batch.query.shape[0], -1, -1)
+        key = batch.key
+        if key is not None:
+            key = key.gather(2, chosen.unsqueeze(0).expand(key.shape[0], -1, -1))
+        pages = ChannelPages(batch.pages, chosen) if batch.pages is not None else None
+        return dataclasses.replace(batch, query=batch.query.gather(2, q_index), key=key,
+                                   head_size=chosen.shape[1], pages=pages)
+
+
+class KeyChannels:
+    """Every layer's channels (``channels: r``), by layer name."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._layers: dict[str, LayerChannels] = {}
+
+    def layer(self, layer_name: str) -> LayerChannels:
+        layer = self._layers.get(layer_name)
+        if layer is None:
+            layer = self._layers[layer_name] = LayerChannels(self.count)
+        return layer
