@@ -9,7 +9,9 @@ Texts: the largest Python standard-library source files (every machine has
 them), one per request, tokenized with SmolLM2's tokenizer.  For each context
 length (default 2,049 / 4,097 / 8,065 tokens: 17 / 33 / 64 blocks of 128,
 the last one holding a single token) a request's prompt is the first N tokens
-of its text and its continuation the next ``--forced`` tokens.
+of its text and its continuation the next ``--forced`` tokens.  With
+``--repeat`` each text is its first half twice, so that past the half the
+continuation copies text from far back.
 
 Quality, teacher-forced: a logits processor forces each step's token to the
 true continuation, so every configuration predicts the same positions from
@@ -316,6 +318,9 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=128,
                     help="KV cache block size (the CPU backend takes multiples of 32): the unit "
                          "block_topk selects")
+    ap.add_argument("--repeat", action="store_true",
+                    help="each text's first half (of the longest context plus --forced) twice: the continuation "
+                         "copies text from far back")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-speed", action="store_true", help="quality only (the table has no speed columns)")
     ap.add_argument("--json")
@@ -345,6 +350,10 @@ def main() -> int:
     if need > MAX_MODEL_LEN:
         raise SystemExit(f"the longest context plus --forced is {need} tokens; the engine holds {MAX_MODEL_LEN}")
     texts = load_texts(os.path.join(args.model, "tokenizer.json"), max(args.texts, max(args.batches)), need)
+    if args.repeat:
+        # The first half twice: past the half, the true continuation is a
+        # copy of text some need / 2 tokens back.
+        texts = [(name, ids[:need // 2 + 1] * 2) for name, ids in texts]
     extras = [json.loads(e) for e in (args.extra if args.extra is not None else ['{"keep_ratio": 0.25, "parts": 8}'])]
     configs = [None] + [{"keep_ratio": r} for r in args.ratios] + extras
     bench = Bench(args, configs)

@@ -67,7 +67,8 @@ def prompts(tokenizer_path: str, count: int, context: int, repeat: bool) -> list
 def label(options: dict | None, told: bool = True) -> str:
     if options is None:
         return "dense"
-    return f"1/{1 / options['keep_ratio']:.3g}" + ("" if told else ", verifying rows whole")
+    others = "".join(f" {k}={v}" for k, v in options.items() if k != "keep_ratio")
+    return f"1/{1 / options['keep_ratio']:.3g}{others}" + ("" if told else ", verifying rows whole")
 
 
 def spec_counts(llm) -> dict[str, float]:
@@ -99,6 +100,7 @@ def run_engine(args) -> dict:
     # (options, whether the method is told of the drafts): one not told,
     # as before it could thin verifying rows, reads them whole.
     configs = [(None, True)] + [({"keep_ratio": r}, True) for r in args.ratios]
+    configs += [({"keep_ratio": 0.25, **json.loads(extra)}, True) for extra in args.extra or ()]
     if args.engine == "spec":
         configs.append(({"keep_ratio": args.ratios[0]}, False))
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True, detokenize=False)
@@ -156,15 +158,15 @@ def table(results: dict, args) -> str:
     lines = ["| context | batch | engine | config | tok/s | / same engine's dense | drafts accepted | blocks read "
              "| tokens shared with dense (per request) | ... with the plain engine's |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for key in results["plain"]:
+    for key in results[args.engines[0]]:
         context, batch = key.split("/")
-        for engine in ("plain", "spec"):
+        for engine in args.engines:
             runs = results[engine][key]
             dense = runs["dense"]
             for name, run in runs.items():
                 with_dense = [shared_prefix(a, b) for a, b in zip(run["outputs"], dense["outputs"])]
                 cell = "-"
-                if engine == "spec" and name in results["plain"][key]:
+                if engine == "spec" and "plain" in results and name in results["plain"][key]:
                     plain = results["plain"][key][name]["outputs"]
                     cell = ", ".join(str(shared_prefix(a, b)) for a, b in zip(run["outputs"], plain))
                 accepted = "-" if run["accepted"] is None else f"{run['accepted']:.0%}"
@@ -184,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=48, help="tokens generated per request")
     ap.add_argument("--prompts", choices=["text", "repeat"], default="text")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--extra", action="append", metavar="JSON",
+                    help="another block_topk configuration, as its options over keep_ratio 0.25 (repeatable), "
+                         "e.g. '{\"channels\": 16}'")
+    ap.add_argument("--engines", nargs="+", choices=["plain", "spec"], default=["plain", "spec"],
+                    help="engines to run (default both)")
     ap.add_argument("--json")
     ap.add_argument("--engine", choices=["plain", "spec"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -197,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for engine in ("plain", "spec"):
+        for engine in args.engines:
             path = os.path.join(tmp, f"{engine}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--engine", engine, "--out", path]
             cmd += [a for a in (argv if argv is not None else sys.argv[1:])]
