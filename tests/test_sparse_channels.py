@@ -1,13 +1,11 @@
 """block_topk's ``channels`` option, without vLLM, on the torch path (the
-option always runs there): blocks summarised on a few key channels, finely
-enough to see single keys (slices of a few tokens with ``score: bound``, or
-of one token).
+option always runs there): every key scored on its own, on a few channels.
 
 * a block that matters for one key in it (a "needle": the token a copy
   continues from) is chosen, where blocks' mean keys pass it over for
   blocks whose every key is a little closer to the query;
-* the slices' min and max, folded as keys are written or made from the
-  pages, are those of the keys on the chosen channels;
+* the summaries hold every key on the chosen channels, folded as keys are
+  written or made from the pages;
 * the channels are the ones where the keys are loudest, chosen from the
   pages at a layer's first call that can thin; calls before it (below
   ``dense_below``) are left dense and that call rebuilds from the pages
@@ -32,10 +30,9 @@ from ucm_connector.sparse.block_topk import BlockTopKOptions
 # The first chunk is shorter than DENSE_BELOW: left dense, before any channel is chosen.
 BS, LEN, NEEDLE, FIRST_CHUNK, DENSE_BELOW = 16, 1024, 150, 200, 400
 # What a later layer's decode call dispatches with channels and rows that
-# verify drafts (counted here: 79 on single keys and 108 with sliced bounds,
-# against 70 scoring whole blocks' mean keys): the projection of the query,
-# keys and pages, and the slices' min and max folded and remade.
-LATER_LAYER_OPS = {"sliced-bound": 115, "tokens": 85}
+# verify drafts (counted here: 79, against 70 scoring blocks' mean keys):
+# the projection of the query, keys and pages adds a few ops.
+LATER_LAYER_OPS = 85
 
 
 def _haystack(seed: int):
@@ -86,16 +83,10 @@ def _positions(reqs: Requests, selection) -> list[int]:
     return [position[b] for b in selection.block_table[0, :_cdiv(length, BS)].tolist()]
 
 
-# 8-token slices bounded on 8 channels; single keys on 8 channels.
-SLICED = {"score": "bound", "parts": 2, "channels": 8}
-TOKENS = {"parts": 16, "channels": 8}
-
-
-@pytest.mark.parametrize("settings", [SLICED, TOKENS], ids=["sliced-bound", "tokens"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_block_that_matters_for_one_key_is_chosen_where_mean_keys_pass_it_over(seed, settings):
+def test_a_block_that_matters_for_one_key_is_chosen_where_mean_keys_pass_it_over(seed):
     reqs, loud, warm = _haystack(seed)
-    method, selection, early, made_early = _run(reqs, {"keep_ratio": 0.125, **settings})
+    method, selection, early, made_early = _run(reqs, {"keep_ratio": 0.125, "channels": 8})
     # The first call came before the channels were chosen: dense, and no summaries yet.
     assert early is None and not made_early
     assert torch.equal(method._channels._layers["layers.0"].chosen, loud)
@@ -110,26 +101,24 @@ def test_a_block_that_matters_for_one_key_is_chosen_where_mean_keys_pass_it_over
     assert NEEDLE // BS not in read and set(read[1:-1]) <= set(warm)
 
 
-def test_the_slices_bounds_are_those_of_the_keys_on_the_chosen_channels():
+def test_the_summaries_hold_every_key_on_the_chosen_channels():
     reqs, loud, _ = _haystack(0)
     keys = reqs.keys[0].float()
 
     def check(layer, positions):
         for position in positions:
             block = keys[position * BS:(position + 1) * BS]
-            on_loud = torch.stack([block[:, h, loud[h]] for h in range(2)], dim=1).view(2, BS // 2, 2, 8)
-            b = reqs.tables[0][position]
-            assert torch.equal(layer.kmin[b], on_loud.amin(dim=1)), position
-            assert torch.equal(layer.kmax[b], on_loud.amax(dim=1)), position
+            on_loud = torch.stack([block[:, h, loud[h]] for h in range(2)], dim=1)
+            assert torch.equal(layer.part_sum[reqs.tables[0][position]], on_loud), position
 
-    method = _method({"keep_ratio": 0.125, "dense_below": DENSE_BELOW, **SLICED}, "torch")
+    method = _method({"keep_ratio": 0.125, "dense_below": DENSE_BELOW, "channels": 8}, "torch")
     ids = frozenset(reqs.req_ids)
     method.begin_step(StepInfo(BS, started=(RequestStart("r0", tuple(reqs.tables[0]), 0),), scheduled_req_ids=ids))
     for step, (start, end) in enumerate([(0, FIRST_CHUNK), (FIRST_CHUNK, 600), (600, LEN - 1)], start=1):
         method.begin_step(StepInfo(BS, scheduled_req_ids=ids))
         method.before_attention(reqs._batch("layers.0", step, [(start, end)], [end], []))
     layer = method._layers["layers.0"]
-    assert layer.kmin.shape[1:] == (2, 2, 8) and layer.part_sum.shape[1] == 1
+    assert layer.part_sum.shape[1:] == (BS, 2, 8) and layer.minmax is None
     # Made from the pages by the second call, which chose the channels
     # (the first call's keys went by unfolded; its own were in the pages) ...
     check(layer, (0, 9, 30))
@@ -139,16 +128,15 @@ def test_the_slices_bounds_are_those_of_the_keys_on_the_chosen_channels():
 
 def test_channels_wider_than_a_key_score_every_channel():
     reqs, _, _ = _haystack(0)
-    method, selection, _, _ = _run(reqs, {"keep_ratio": 0.125, "parts": 16, "channels": 256})
+    method, selection, _, _ = _run(reqs, {"keep_ratio": 0.125, "channels": 256})
     assert method._channels._layers["layers.0"].chosen.tolist() == [list(range(64))] * 2
     assert NEEDLE // BS in _positions(reqs, selection)
 
 
-@pytest.mark.parametrize("settings", [SLICED, TOKENS], ids=["sliced-bound", "tokens"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_decode_call_with_channels_waits_for_nothing_and_verifying_rows_read_their_tokens_last(device, settings):
+def test_a_decode_call_with_channels_waits_for_nothing_and_verifying_rows_read_their_tokens_last(device):
     reqs = Requests(device, LENS, Q_LENS, seed=3)
-    method = _method({"keep_ratio": 0.25, **settings}, "torch")
+    method = _method({"keep_ratio": 0.25, "channels": 8}, "torch")
     method.speculate(3)
     reqs.start(method, layers=("layers.0", "layers.1"))
     step = reqs.step("layers.0", step=2)
@@ -158,7 +146,7 @@ def test_a_decode_call_with_channels_waits_for_nothing_and_verifying_rows_read_t
         selection = method.before_attention(dataclasses.replace(step, layer_name="layers.1"))
     assert log.syncing == []
     print(f"ops: {len(log.ops)}")
-    assert len(log.ops) <= LATER_LAYER_OPS["tokens" if settings is TOKENS else "sliced-bound"]
+    assert len(log.ops) <= LATER_LAYER_OPS
     thinned = [r for r in range(len(LENS)) if int(selection.seq_lens[r]) < LENS[r]]
     assert {0, 1, 2, 4, 5} <= set(thinned) and not {3, 6} & set(thinned)
     _aligned(selection, reqs, LENS, Q_LENS)
@@ -167,6 +155,8 @@ def test_a_decode_call_with_channels_waits_for_nothing_and_verifying_rows_read_t
 @pytest.mark.parametrize("options, named", [
     ({"channels": 0}, "channels: expected a number of key channels >= 1, got 0"),
     ({"channels": "8"}, "channels: expected a number of key channels >= 1, got '8'"),
+    ({"channels": 8, "parts": 4}, "parts: 4"),
+    ({"channels": 8, "score": "bound"}, "score: 'bound'"),
 ])
 def test_bad_channel_options_are_refused_with_the_option_named(options, named):
     with pytest.raises(SparseConfigError, match="block_topk: ") as err:

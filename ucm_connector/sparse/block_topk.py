@@ -26,15 +26,13 @@ Options (``"sparse": {"method": "block_topk", ...}``):
   in log space): a slice's mean, finer than the block's, keeps a few strong
   keys from being averaged away; finer, and slower.  A block size that
   ``parts`` does not divide is scored whole;
-* ``channels`` (default none): summarise keys on this many of their
-  channels only (per KV head, the loudest in the keys seen; see
-  ``key_channels``), which makes fine summaries cheap: with ``score:
-  "bound"``, ``parts`` then cuts each block into slices bounded apart
-  (their bounds, weighted by their token counts, added up in log space),
-  and with ``"mean"`` a ``parts`` of the block size scores every key on its
-  own.  A block that one key makes count (the token a copy of earlier text
-  continues from) then stands out, where its mean key does not.  Always
-  scored by the torch path;
+* ``channels`` (default none): score every key of a block on its own, on
+  this many of its channels (per KV head, the loudest; see
+  ``key_channels``), and add up: a block that one key makes count (the
+  token a copy of earlier text continues from) stands out, where its mean
+  key does not.  Takes neither ``score: "bound"`` nor ``parts``; always
+  scored by the torch path; summaries of ``block_size * channels`` floats
+  per block and KV head;
 * ``min_blocks`` (default 0): requests with fewer blocks are read whole (at
   short contexts the selection costs more than it saves);
 * ``dense_below`` (tokens; default: the device's measured crossover,
@@ -116,12 +114,8 @@ class BlockTopK(SparseMethod):
         # or "triton" force one (benchmarks and tests compare them).
         self.kernels = kernels
         self._channels = KeyChannels(options.channels) if options.channels is not None else None
-        bound = options.score == "bound"
-        if self._channels is not None and bound:
-            # Scored by the torch path alone: slices of the bound, and no sums.
-            self._keeper = SummaryKeeper(parts=1, bounds=True, bound_parts=options.parts, start_behind=True)
-        else:
-            self._keeper = SummaryKeeper(parts=options.parts, bounds=bound, start_behind=self._channels is not None)
+        self._keeper = SummaryKeeper(parts=None if self._channels is not None else options.parts,
+                                     bounds=options.score == "bound")
         self._thin_from = options.thin_from()
         self._plan: StepPlan | None = None
         # Counters on the device (see STATS), and those only the host sees.

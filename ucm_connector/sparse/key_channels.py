@@ -1,15 +1,16 @@
-"""``block_topk``'s ``channels`` option: summaries of a few of each key's
-channels, fine enough to see single keys.
+"""``block_topk``'s ``channels`` option: every key scored on its own, on a
+few of its channels.
 
 A block's mean key averages a single strong key away, and Quest's bound over
-a whole block's keys is loose: a query that needs one token far back (a
-copy of earlier text, a fact looked up) finds no block that stands out.
-Finer summaries see it (slices of a few tokens bounded apart, or every key
-on its own), but over all channels they would take as much memory as the
-keys.  With ``channels: r`` the summaries keep ``r`` of each key's channels:
-per KV head, those where the keys seen so far are largest in magnitude (a
-layer's keys put most of their weight on a few channels, the same whatever
-the text), and the query is scored on the same ``r``.
+a block's keys is loose: a query that needs one token far back (a copy of
+earlier text, a fact looked up) finds no block that stands out.  Scoring
+every key on its own sees it, but on all channels it reads as many bytes as
+the keys.  With ``channels: r`` the summaries keep, for every token, ``r``
+of its key's channels: per KV head, those where the keys are largest in
+magnitude (a layer's keys put much of their weight on a few channels,
+whatever the text).  The query is scored against every token on those
+channels, and a block's estimate adds its tokens up (in log space, as
+``parts`` adds slices).
 
 The channels are chosen once per layer, at its first call that can thin:
 from the keys of a few blocks its rows read (the first ``SAMPLE_BLOCKS``
@@ -20,8 +21,8 @@ below ``dense_below``).
 
 Here the choice and the projection: of a call's query and keys onto the
 channels, and of the pages' keys (``ChannelPages``), so that the summaries
-and the selection run unchanged, on keys ``r`` wide.  Knows attention math
-and tensors; nothing of vLLM.
+and the selection run unchanged, on keys ``r`` wide with one slice per
+token.  Knows attention math and tensors; nothing of vLLM.
 """
 
 from __future__ import annotations

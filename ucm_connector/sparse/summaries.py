@@ -102,14 +102,14 @@ class WritePlan:
             end_blocks = self.blocks
         self.end_targets = torch.where(ends, end_blocks, trash)
         self.end_sources = torch.where(ends, end_blocks, 0)      # any real block: read, then dropped
-        self._parts: dict[int, torch.Tensor] = {}
+        self._parts: tuple[int, torch.Tensor] | None = None
         self._index: torch.Tensor | None = None
 
     def parts(self, parts: int, part_size: int) -> torch.Tensor:
         """Row of each token in a ``[(num_blocks + 1) * parts]`` view."""
-        if parts not in self._parts:
-            self._parts[parts] = self.blocks * parts + torch.div(self.offsets, part_size, rounding_mode="floor")
-        return self._parts[parts]
+        if self._parts is None or self._parts[0] != parts:
+            self._parts = (parts, self.blocks * parts + torch.div(self.offsets, part_size, rounding_mode="floor"))
+        return self._parts[1]
 
     def index(self, shape: torch.Size) -> torch.Tensor:
         """``blocks`` broadcast over a key's ``[H, D]``."""
@@ -123,9 +123,8 @@ class LayerSummaries:
     of the keys of each of the block's ``parts`` equal slices (``part_sum``
     ``[num_blocks + 1, parts, H, D]``; a slice's mean key, finer than the
     block's, keeps a few strong keys from being averaged away over 128
-    tokens), and with ``bounds`` the elementwise max and min of the keys of
-    each of its ``bound_parts`` equal slices, side by side (``minmax``
-    ``[num_blocks + 1, bound_parts, H, 2D]``: Quest's bound is one matmul
+    tokens), and with ``bounds`` their elementwise max and min side by side
+    (``minmax`` ``[num_blocks + 1, H, 2D]``: Quest's bound is one matmul
     against ``[max(q, 0), min(q, 0)]``).  How many keys each slice holds
     follows from the block's fill, which the caller knows: a current summary
     covers exactly the block's first ``fill`` tokens.
@@ -137,17 +136,14 @@ class LayerSummaries:
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, device: torch.device, parts: int = 1, bounds: bool = True,
-                 made_at: torch.Tensor | None = None, bound_parts: int = 1) -> None:
+                 made_at: torch.Tensor | None = None) -> None:
         d = head_size
         rows = num_blocks + 1
         self.minmax = self.kmax = self.kmin = None
-        self.bound_parts = bound_parts
         if bounds:
-            self.minmax = torch.empty((rows, bound_parts, num_kv_heads, 2 * d), dtype=dtype, device=device)
-            # [rows, H, D] each, or [rows, bound_parts, H, D] with slices.
-            minmax = self.minmax[:, 0] if bound_parts == 1 else self.minmax
-            self.kmax = minmax[..., :d]
-            self.kmin = minmax[..., d:]
+            self.minmax = torch.empty((rows, num_kv_heads, 2 * d), dtype=dtype, device=device)
+            self.kmax = self.minmax[:, :, :d]
+            self.kmin = self.minmax[:, :, d:]
             self.kmax.fill_(float("-inf"))
             self.kmin.fill_(float("inf"))
         self.parts = parts
@@ -175,11 +171,10 @@ class LayerSummaries:
 
     @staticmethod
     def nbytes(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-               parts: int = 1, bounds: bool = True, bound_parts: int = 1) -> int:
+               parts: int = 1, bounds: bool = True) -> int:
         """What one layer's summaries take (``made_at``, shared, aside)."""
         rows, item = num_blocks + 1, torch.empty((), dtype=dtype).element_size()
-        per_row = (parts * num_kv_heads * head_size + block_size
-                   + (2 * bound_parts * num_kv_heads * head_size if bounds else 0))
+        per_row = parts * num_kv_heads * head_size + block_size + (2 * num_kv_heads * head_size if bounds else 0)
         return rows * per_row * item
 
     @property
@@ -216,13 +211,9 @@ class LayerSummaries:
             self.probe.index_copy_(0, targets, probe.masked_fill(~seen_start, float("nan")))
         key = key.to(self.part_sum.dtype)
         if self.minmax is not None:
-            if self.bound_parts == 1:
-                index = plan.index(key.shape[1:])
-            else:
-                index = plan.parts(self.bound_parts, self.block_size // self.bound_parts)
-                index = index.view(-1, 1, 1).expand(-1, *key.shape[1:])
-            self.kmin.view(-1, *key.shape[1:]).scatter_reduce_(0, index, key, "amin")
-            self.kmax.view(-1, *key.shape[1:]).scatter_reduce_(0, index, key, "amax")
+            index = plan.index(key.shape[1:])
+            self.kmin.scatter_reduce_(0, index, key, "amin")
+            self.kmax.scatter_reduce_(0, index, key, "amax")
         parts = plan.parts(self.parts, self.part_size)
         self.part_sum.view(-1, *key.shape[1:]).index_add_(0, parts, key)
 
@@ -237,7 +228,7 @@ class LayerSummaries:
         step = self._pass_blocks()
         for lo in range(0, src.numel(), step):
             hi = lo + step
-            self._store(dst[lo:hi], *self._reduce_full(src[lo:hi], pages))
+            self._store(dst[lo:hi], *pages.reduce(src[lo:hi], self.parts))
             self.probe.index_copy_(0, dst[lo:hi], pages.probe(src[lo:hi]).to(self.probe.dtype))
         self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
 
@@ -281,18 +272,17 @@ class LayerSummaries:
             counts += torch.stack((same.sum(), (~same).sum()))
             self.made_at.index_copy_(0, blocks, epochs.index_select(0, blocks))
             if whole:
-                kmin, kmax, part_sum = self._reduce_full(blocks, pages)
+                kmin, kmax, part_sum = pages.reduce(blocks, self.parts)
             else:
                 kmin, kmax, part_sum = self._from_pages(blocks, fills, pages)
             keep = same.view(n, 1, 1, 1)
             self.part_sum.index_copy_(0, blocks, torch.where(
                 keep, self.part_sum.index_select(0, blocks), part_sum.to(self.part_sum.dtype)))
             if self.minmax is not None:
-                keep = keep.view(n, *[1] * (self.kmin.dim() - 1))
                 self.kmin.index_copy_(0, blocks, torch.where(
-                    keep, self.kmin.index_select(0, blocks), kmin.to(self.kmin.dtype)))
+                    keep[:, 0], self.kmin.index_select(0, blocks), kmin.to(self.kmin.dtype)))
                 self.kmax.index_copy_(0, blocks, torch.where(
-                    keep, self.kmax.index_select(0, blocks), kmax.to(self.kmax.dtype)))
+                    keep[:, 0], self.kmax.index_select(0, blocks), kmax.to(self.kmax.dtype)))
             self.probe.index_copy_(0, blocks, now.masked_fill(~filled, float("nan")))
         return counts
 
@@ -336,12 +326,6 @@ class LayerSummaries:
         self.probe.index_copy_(0, dst, pages.probe(src).to(self.probe.dtype).masked_fill(pad, float("nan")))
         self.made_at.index_copy_(0, dst, epochs.index_select(0, dst))
 
-    def _reduce_full(self, blocks: torch.Tensor, pages):
-        """min, max (per slice with ``bound_parts``) and slice sums of full blocks."""
-        if self.minmax is not None and self.bound_parts > 1:
-            return self._from_pages(blocks, torch.full_like(blocks, self.block_size), pages)
-        return pages.reduce(blocks, self.parts)
-
     def _store(self, blocks: torch.Tensor, kmin, kmax, part_sum: torch.Tensor) -> None:
         """Summaries of ``blocks`` set to these (min and max ignored without bounds)."""
         self.part_sum.index_copy_(0, blocks, part_sum.to(self.part_sum.dtype))
@@ -356,10 +340,8 @@ class LayerSummaries:
                >= fills.unsqueeze(1))[:, :, None, None]
         kmin = kmax = None
         if self.minmax is not None:
-            # [n, H, D], or [n, bound_parts, H, D] with slices.
-            sliced = (len(blocks), self.bound_parts, self.block_size // self.bound_parts, *keys.shape[2:])
-            kmin = keys.masked_fill(pad, float("inf")).view(sliced).amin(dim=2).squeeze(1)
-            kmax = keys.masked_fill(pad, float("-inf")).view(sliced).amax(dim=2).squeeze(1)
+            kmin = keys.masked_fill(pad, float("inf")).amin(dim=1)
+            kmax = keys.masked_fill(pad, float("-inf")).amax(dim=1)
         part_sum = keys.masked_fill(pad, 0.0).view(len(blocks), self.parts, self.part_size, *keys.shape[2:])
         return kmin, kmax, part_sum.sum(dim=2)
 
@@ -385,7 +367,7 @@ class LayerSummaries:
         blocks, fills, now = blocks[redo], fills[redo], now[redo]
         full = fills == block_size
         if bool(full.any()):
-            self._store(blocks[full], *self._reduce_full(blocks[full], pages))
+            self._store(blocks[full], *pages.reduce(blocks[full], self.parts))
         if not bool(full.all()):
             some = blocks[~full]
             self._store(some, *self._from_pages(some, fills[~full], pages))

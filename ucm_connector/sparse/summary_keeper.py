@@ -78,13 +78,12 @@ class PendingBlocks:
 class SummaryKeeper:
     """The summaries of every layer, and what is known of how current they are."""
 
-    def __init__(self, parts: int, bounds: bool, bound_parts: int = 1, start_behind: bool = False) -> None:
+    def __init__(self, parts: int | None, bounds: bool) -> None:
+        # None: a slice per token (``channels``); such layers are made late
+        # (once their channels are chosen), after keys went by, and each
+        # starts behind (``catch_up``).
         self._parts = parts
         self._bounds = bounds
-        self._bound_parts = bound_parts
-        # Layers made late (``channels``: once their channels are chosen),
-        # after keys went by: each starts behind (``catch_up``).
-        self._start_behind = start_behind
         self.epochs = BlockEpochs()
         self.layers: dict[str, LayerSummaries] = {}
         self.no_room: set[str] = set()      # layers left dense: their summaries did not fit
@@ -152,19 +151,18 @@ class SummaryKeeper:
         are not current (and so wait for it once per step)."""
         return self._unseen_reqs is None or bool(self._unseen_reqs) or self._no_pages
 
-    def _shape(self, batch: AttentionBatch, num_blocks: int) -> tuple[tuple, dict]:
+    def _shape(self, batch: AttentionBatch, num_blocks: int) -> tuple[tuple, int]:
         # fp32 summaries: scoring reads them as fp32 without a conversion
         # (bf16 copies measured no faster and lost agreement with parts).
         bs = batch.block_size
-        slices = dict(parts=self._parts if bs % self._parts == 0 else 1, bounds=self._bounds,
-                      bound_parts=self._bound_parts if bs % self._bound_parts == 0 else 1)
-        return (num_blocks, bs, batch.num_kv_heads, batch.head_size, torch.float32), slices
+        parts = bs if self._parts is None else self._parts if bs % self._parts == 0 else 1
+        return (num_blocks, bs, batch.num_kv_heads, batch.head_size, torch.float32), parts
 
     def scratch_layer(self, batch: AttentionBatch) -> LayerSummaries:
         """Summaries of one block, made as ``batch``'s layer's would be
         (kernels compiled for one serve the other); nothing is kept."""
-        shape, slices = self._shape(batch, 1)
-        return LayerSummaries(*shape, batch.query.device, **slices)
+        shape, parts = self._shape(batch, 1)
+        return LayerSummaries(*shape, batch.query.device, parts=parts, bounds=self._bounds)
 
     def layer(self, batch: AttentionBatch) -> LayerSummaries:
         """The summaries of ``batch``'s layer, made (again) where there are
@@ -184,14 +182,14 @@ class SummaryKeeper:
                 self.layers.clear()
                 made_at = self._made_at = torch.full((batch.num_cache_blocks + 1,), -1, dtype=torch.int64,
                                                      device=device)
-            shape, slices = self._shape(batch, batch.num_cache_blocks)
-            need = LayerSummaries.nbytes(*shape, **slices)
+            shape, parts = self._shape(batch, batch.num_cache_blocks)
+            need = LayerSummaries.nbytes(*shape, parts=parts, bounds=self._bounds)
             self._make_room(batch.layer_name, need, device)
             try:
-                layer = LayerSummaries(*shape, device, made_at=made_at, **slices)
+                layer = LayerSummaries(*shape, device, parts=parts, bounds=self._bounds, made_at=made_at)
             except torch.OutOfMemoryError:
                 self._no_room(batch.layer_name, need, device)
-            layer.behind = self._start_behind
+            layer.behind = self._parts is None
             self.layers[batch.layer_name] = layer
         if batch.pages is None:
             self._no_pages = True

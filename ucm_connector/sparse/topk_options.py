@@ -50,7 +50,7 @@ class BlockTopKOptions:
     min_blocks: int = 0                 # requests with fewer blocks are read whole
     dense_below: int | None = None      # tokens; None: DENSE_BELOW_DEFAULT for the device
     reselect_every: int = 1             # decode steps a layer's choice of blocks serves (1: every step chooses)
-    channels: int | None = None         # key channels the summaries keep, per KV head (None: all)
+    channels: int | None = None         # key channels every key is scored on (None: blocks' mean keys)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> "BlockTopKOptions":
@@ -101,6 +101,10 @@ class BlockTopKOptions:
             if not _is_int(channels) or channels < 1:
                 raise SparseConfigError(
                     f"block_topk: channels: expected a number of key channels >= 1, got {channels!r}")
+            clash = [f"score: {score!r}"] * (score != "mean") + [f"parts: {parts!r}"] * (parts != 1)
+            if clash:
+                raise SparseConfigError(
+                    f"block_topk: channels scores every key of a block on its own; leave out {' and '.join(clash)}")
         return cls(keep_ratio=ratio, budget_blocks=budget, sink_blocks=sink_blocks, local_blocks=local_blocks,
                    score=score, parts=parts, min_blocks=min_blocks, dense_below=dense_below,
                    reselect_every=reselect_every, channels=channels)

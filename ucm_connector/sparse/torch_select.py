@@ -65,17 +65,7 @@ def scores(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: 
     n, num_heads, d = q.shape
     h, width = batch.num_kv_heads, plan.width
     q = q.float().reshape(n * h, num_heads // h, d)
-    if score == "bound" and layer.bound_parts > 1:
-        # Per slice: its bound, weighted by its count (an upper bound of the
-        # slice's mass), added up in log space; empty slices count for nothing.
-        parts = layer.bound_parts
-        summaries = layer.minmax.view(-1, 2 * d).index_select(0, t.part_index(parts, h))
-        q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
-        logits = torch.bmm(q, summaries.view(n * h, width * parts, 2 * d).transpose(1, 2))
-        _, log_count = t.slice_weights(parts, batch.scale)
-        logits = logits.view(n, num_heads, width, parts).mul_(batch.scale).add_(log_count)
-        logits = logits.masked_fill_(log_count == float("-inf"), float("-inf")).logsumexp(dim=-1)
-    elif score == "bound":
+    if score == "bound":
         summaries = layer.minmax.view(-1, 2 * d).index_select(0, t.head_index).view(n * h, width, 2 * d)
         q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
         logits = torch.bmm(q, summaries.transpose(1, 2)).view(n, num_heads, width).mul_(batch.scale)
