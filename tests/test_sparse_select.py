@@ -861,8 +861,10 @@ def test_serving_launches_no_kernel_variant_that_the_warm_up_did_not(tmp_path, d
     assert compiled == []
 
 
+@pytest.mark.parametrize("channels", [None, 16])
 @pytest.mark.parametrize("device, kernels", PATHS)
-def test_a_query_quantized_for_an_fp8_cache_selects_the_blocks_its_full_precision_query_selects(device, kernels):
+def test_a_query_quantized_for_an_fp8_cache_selects_the_blocks_its_full_precision_query_selects(
+        device, kernels, channels):
     """vLLM hands an fp8 cache's attention an fp8 query holding q / q_scale;
     the patch folds q_scale into the call's scale, so the scores, and the
     blocks chosen, are those of the full-precision query."""
@@ -873,7 +875,8 @@ def test_a_query_quantized_for_an_fp8_cache_selects_the_blocks_its_full_precisio
     reqs = Requests(device, [1500, 900], [1, 1], seed=21)
     chosen = []
     for quantized in (False, True):
-        method = _method({"keep_ratio": 0.25}, kernels)
+        method = _method({"keep_ratio": 0.25} if channels is None else {"keep_ratio": 0.25, "channels": channels},
+                         kernels)
         reqs.start(method)
         method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids)))
         batch = reqs.step("layers.0", step=2)
@@ -886,7 +889,13 @@ def test_a_query_quantized_for_an_fp8_cache_selects_the_blocks_its_full_precisio
         selection = method.before_attention(batch)
         chosen.append([_chosen(selection.block_table, r, math.ceil(_cdiv(n, 16) * 0.25))
                        for r, n in enumerate(reqs.lens)])
-    assert chosen[0] == chosen[1]
+    if channels is None:
+        assert chosen[0] == chosen[1]
+    else:
+        # Every key scored on its own feels the fp8 query's rounding: a
+        # block or two at the edge of the budget may change.
+        differ = sum(len(set(a) - set(b)) for a, b in zip(*chosen))
+        assert differ <= 2, chosen
 
 
 @pytest.mark.parametrize("fp8_scale", [None, 0.05])

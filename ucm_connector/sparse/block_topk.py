@@ -32,7 +32,7 @@ Options (``"sparse": {"method": "block_topk", ...}``):
   token a copy of earlier text continues from) stands out, where its mean
   key does not.  Takes neither ``score: "bound"`` nor ``parts``; always
   scored by the torch path; summaries of ``block_size * channels`` floats
-  per block and KV head;
+  per block and KV head; layers whose pages cannot be read stay dense;
 * ``min_blocks`` (default 0): requests with fewer blocks are read whole (at
   short contexts the selection costs more than it saves);
 * ``dense_below`` (tokens; default: the device's measured crossover,

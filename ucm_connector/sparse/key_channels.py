@@ -80,13 +80,20 @@ class LayerChannels:
         num_heads = batch.query.shape[1]
         if self.query_index is None or self.query_index.device != chosen.device:
             self.query_index = chosen.repeat_interleave(num_heads // chosen.shape[0], dim=0)
-        q_index = self.query_index.unsqueeze(0).expand(batch.query.shape[0], -1, -1)
+        query = _gatherable(batch.query)
+        q_index = self.query_index.unsqueeze(0).expand(query.shape[0], -1, -1)
         key = batch.key
         if key is not None:
-            key = key.gather(2, chosen.unsqueeze(0).expand(key.shape[0], -1, -1))
+            key = _gatherable(key).gather(2, chosen.unsqueeze(0).expand(key.shape[0], -1, -1))
         pages = ChannelPages(batch.pages, chosen) if batch.pages is not None else None
-        return dataclasses.replace(batch, query=batch.query.gather(2, q_index), key=key,
+        return dataclasses.replace(batch, query=query.gather(2, q_index), key=key,
                                    head_size=chosen.shape[1], pages=pages)
+
+
+def _gatherable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its values in fp32 where torch cannot gather its dtype
+    (fp8: an fp8 cache's query; its scale is in the call's ``scale``)."""
+    return t.float() if t.element_size() == 1 else t
 
 
 class KeyChannels:
