@@ -36,6 +36,7 @@ for part in $PARTS; do
     case $part in
         tests)    python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_worker.py \
                       tests/test_checksums.py tests/test_sparse_select.py tests/test_sparse_speculative.py \
+                      tests/test_sparse_channels.py \
                       > "$OUT/pytest.txt" 2>&1 ;;
         sanitize) TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -k "cuda and not cpu_tensors" \
                       tests/test_transfer.py tests/test_worker.py tests/test_checksums.py tests/test_sparse_select.py \
