@@ -195,7 +195,8 @@ def speculative_run():
 
 @pytest.fixture(scope="module")
 def plain_run():
-    """The speculative engine's steps on an engine without drafts."""
+    """The speculative engine's steps on an engine without drafts, then the
+    same budget with ``channels``."""
     if not os.path.isdir(SMOL):
         pytest.skip("models/smollm2-135m missing: run `make models`")
     prompts = _speculative_prompts()
