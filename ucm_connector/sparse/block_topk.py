@@ -95,7 +95,7 @@ import torch
 
 from . import torch_select, triton_select
 from .base import AttentionBatch, BlockSelection, SparseMethod, SparseStats, StepInfo
-from .key_channels import SAMPLE_BLOCKS, SAMPLE_ROWS, KeyChannels
+from .key_channels import KeyChannels
 from .summaries import LayerSummaries, to_device
 from .summary_keeper import NoRoom, SummaryKeeper
 from .topk_options import DENSE_BELOW_DEFAULT, BlockTopKOptions
@@ -271,8 +271,7 @@ class BlockTopK(SparseMethod):
             channels = self._channels.layer(batch.layer_name)
             if channels.chosen is None and not plan.dense and batch.pages is not None:
                 t = plan.tensors(batch)
-                rows, blocks = min(SAMPLE_ROWS, plan.num_rows), min(SAMPLE_BLOCKS, plan.width)
-                channels.choose(batch.pages, t.table[:rows, :blocks].flatten(), t.valid[:rows, :blocks].flatten())
+                channels.choose(batch.pages, t.table, t.valid)
             if channels.chosen is None or batch.pages is None:
                 # Nothing to thin before the channels are chosen (or no pages
                 # to choose them and to catch up from): dense.

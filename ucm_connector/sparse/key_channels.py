@@ -64,10 +64,14 @@ class LayerChannels:
         self.chosen: torch.Tensor | None = None        # [H, r] int64, ascending
         self.query_index: torch.Tensor | None = None   # [num_heads, r]: each query head's KV head's
 
-    def choose(self, pages: KeyPages, blocks: torch.Tensor, valid: torch.Tensor) -> None:
-        """Choose, per KV head, the ``count`` channels where the keys of
-        ``blocks`` (1-D; ``valid``: those that hold a request's keys), read
-        from the pages, are largest in magnitude.  Never waits for the device."""
+    def choose(self, pages: KeyPages, table: torch.Tensor, valid: torch.Tensor) -> None:
+        """Choose, per KV head, the ``count`` channels where the keys of the
+        first ``SAMPLE_BLOCKS`` blocks of the first ``SAMPLE_ROWS`` rows of
+        ``table`` (``[rows, width]``; ``valid``: the entries that hold a
+        request's keys), read from the pages, are largest in magnitude.
+        Never waits for the device."""
+        blocks = table[:SAMPLE_ROWS, :SAMPLE_BLOCKS].flatten()
+        valid = valid[:SAMPLE_ROWS, :SAMPLE_BLOCKS].flatten()
         keys = pages.read(blocks)                       # [n, block_size, H, D]
         magnitude = torch.where(valid.view(-1, 1, 1, 1), keys.float().abs(), 0.0).sum(dim=(0, 1))
         r = min(self.count, magnitude.shape[1])
