@@ -152,11 +152,16 @@ class SummaryKeeper:
         return self._unseen_reqs is None or bool(self._unseen_reqs) or self._no_pages
 
     def _shape(self, batch: AttentionBatch, num_blocks: int) -> tuple[tuple, int]:
-        # fp32 summaries: scoring reads them as fp32 without a conversion
-        # (bf16 copies measured no faster and lost agreement with parts).
+        # Slice sums in fp32: scoring reads them as fp32 without a conversion
+        # (bf16 copies of sums measured no faster and lost agreement with
+        # parts).  One slice per token (``channels``) holds a key as it is:
+        # in a 16-bit model dtype, exact, and half the bytes to score.
         bs = batch.block_size
         parts = bs if self._parts is None else self._parts if bs % self._parts == 0 else 1
-        return (num_blocks, bs, batch.num_kv_heads, batch.head_size, torch.float32), parts
+        dtype = torch.float32
+        if self._parts is None and batch.query.dtype in (torch.bfloat16, torch.float16):
+            dtype = batch.query.dtype
+        return (num_blocks, bs, batch.num_kv_heads, batch.head_size, dtype), parts
 
     def scratch_layer(self, batch: AttentionBatch) -> LayerSummaries:
         """Summaries of one block, made as ``batch``'s layer's would be

@@ -73,10 +73,31 @@ def scores(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: 
     else:
         parts = layer.parts
         index = t.part_index(parts, h)
-        summaries = layer.part_sum.view(-1, d).index_select(0, index).view(n * h, width * parts, d)
-        logits = torch.bmm(q, summaries.transpose(1, 2)).view(n, num_heads, width, parts)
+        summaries = _take_rows(layer.part_sum.view(-1, d), index).view(n * h, width * parts, d)
+        if summaries.dtype != q.dtype and _multiplies(summaries):
+            # 16-bit summaries (keys kept as they are: ``channels``), scored
+            # in their dtype, the sums in fp32 (the logits rounded to it).
+            logits = torch.bmm(q.to(summaries.dtype), summaries.transpose(1, 2)).float()
+        else:
+            logits = torch.bmm(q, summaries.transpose(1, 2).float())
+        logits = logits.view(n, num_heads, width, parts)
         # A block's mass ~ sum over its slices of count * exp(scale * q . mean).
         factor, log_count = t.slice_weights(parts, batch.scale)
         logits.mul_(factor).add_(log_count)
         logits = logits.logsumexp(dim=-1) if parts > 1 else logits.squeeze(-1)
     return logits.softmax(dim=-1).mean(dim=1)
+
+
+def _take_rows(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``flat.index_select(0, index)``, rows moved as 4-byte words where
+    they are of 16-bit floats (torch's gather of those is 2-3x slower on
+    CPU than of the same bytes as int32)."""
+    if flat.element_size() == 2 and flat.shape[1] % 2 == 0:
+        return flat.view(torch.int32).index_select(0, index).view(flat.dtype)
+    return flat.index_select(0, index)
+
+
+def _multiplies(t: torch.Tensor) -> bool:
+    """Whether a matmul in ``t``'s 16-bit dtype is fast on its device (on
+    CPU fp16 is not: it is converted to fp32 first)."""
+    return t.device.type != "cpu" or t.dtype == torch.bfloat16
