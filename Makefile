@@ -56,7 +56,7 @@ test-kernels: venv vllm
 	  $(PIP) install -q --no-deps --target $(TRITON_DIR) triton==$(TRITON_VERSION); }
 	rm -f $(TRITON_DIR)/variants.jsonl
 	PYTHONPATH=$(TRITON_DIR) TRITON_INTERPRET=1 UCM_TRITON_VARIANTS=$(TRITON_DIR)/variants.jsonl \
-	  $(PY) -m pytest -q tests/test_sparse_select.py tests/test_sparse_speculative.py
+	  $(PY) -m pytest -q tests/test_sparse_select.py tests/test_sparse_speculative.py tests/test_sparse_channels.py
 	PYTHONPATH=$(TRITON_DIR):. $(PY) -m ucm_testing.triton_variants $(TRITON_DIR)/variants.jsonl --arch 90
 
 # A newcomer's first five minutes: the OpenAI server with UCMConnector on a

@@ -30,9 +30,10 @@ Options (``"sparse": {"method": "block_topk", ...}``):
   this many of its channels (per KV head, the loudest; see
   ``key_channels``), and add up: a block that one key makes count (the
   token a copy of earlier text continues from) stands out, where its mean
-  key does not.  Takes neither ``score: "bound"`` nor ``parts``; always
-  scored by the torch path; summaries of ``block_size * channels`` floats
-  per block and KV head; layers whose pages cannot be read stay dense;
+  key does not.  Takes neither ``score: "bound"`` nor ``parts``;
+  summaries of ``block_size * channels`` values per block and KV head (in
+  a 16-bit model dtype, the keys' own); layers whose pages cannot be read
+  stay dense;
 * ``min_blocks`` (default 0): requests with fewer blocks are read whole (at
   short contexts the selection costs more than it saves);
 * ``dense_below`` (tokens; default: the device's measured crossover,
@@ -95,7 +96,7 @@ import torch
 
 from . import torch_select, triton_select
 from .base import AttentionBatch, BlockSelection, SparseMethod, SparseStats, StepInfo
-from .key_channels import KeyChannels
+from .key_channels import KeyChannels, LayerChannels
 from .summaries import LayerSummaries, to_device
 from .summary_keeper import NoRoom, SummaryKeeper
 from .topk_options import DENSE_BELOW_DEFAULT, BlockTopKOptions
@@ -201,6 +202,11 @@ class BlockTopK(SparseMethod):
         device = example.query.device
         if not self._use_triton(device) or example.key is None:
             return 0
+        if self._channels is not None:
+            # Calls are projected onto a layer's channels before anything
+            # launches: the shapes, not which channels, set the variants.
+            example = LayerChannels.placeholder(self._channels.count, example.num_kv_heads, example.head_size,
+                                                device).project(example)
         block_size, top = example.block_size, example.block_table.shape[1]
         # One decode row with nothing in it: the kernels read and write no block.
         batch = dataclasses.replace(
@@ -251,7 +257,7 @@ class BlockTopK(SparseMethod):
     # -- layer ---------------------------------------------------------------
 
     def _use_triton(self, device: torch.device) -> bool:
-        if self.kernels == "torch" or self._channels is not None:
+        if self.kernels == "torch":
             return False
         if self.kernels == "triton":
             return True

@@ -55,6 +55,10 @@ class ChannelPages(KeyPages):
     def probe(self, block_ids: torch.Tensor) -> torch.Tensor:
         return self._pages.probe(block_ids)
 
+    def key_view(self):
+        """The cache's own view, all channels: kernels read probes from it."""
+        return self._pages.key_view()
+
 
 class LayerChannels:
     """One layer's channels (``chosen`` None: not chosen yet)."""
@@ -63,6 +67,15 @@ class LayerChannels:
         self.count = count
         self.chosen: torch.Tensor | None = None        # [H, r] int64, ascending
         self.query_index: torch.Tensor | None = None   # [num_heads, r]: each query head's KV head's
+
+    @classmethod
+    def placeholder(cls, count: int, num_kv_heads: int, head_size: int, device: torch.device) -> "LayerChannels":
+        """Channels chosen without keys (each KV head's first ``count``):
+        calls projected with them have the shapes real ones have."""
+        layer = cls(count)
+        r = min(count, head_size)
+        layer.chosen = torch.arange(r, device=device).expand(num_kv_heads, r).contiguous()
+        return layer
 
     def choose(self, pages: KeyPages, table: torch.Tensor, valid: torch.Tensor) -> None:
         """Choose, per KV head, the ``count`` channels where the keys of the

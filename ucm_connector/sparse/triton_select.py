@@ -88,13 +88,13 @@ if triton is not None:
 
     @triton.jit
     def _take_probe(block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr,
-                    BS: tl.constexpr, BSP: tl.constexpr, D: tl.constexpr):
+                    BS: tl.constexpr, BSP: tl.constexpr, KD: tl.constexpr):
         # The block is complete: remember one key element per token (kv
-        # head 0, dim t % D), read back from the page itself, if this
-        # summary saw the block start (else it vouches for nothing: NaN
-        # never matches).
+        # head 0, dim t % KD, KD the page's head size), read back from the
+        # page itself, if this summary saw the block start (else it vouches
+        # for nothing: NaN never matches).
         tt = tl.arange(0, BSP)
-        probe = tl.load(kv_ptr + block * kv_s0 + tt * kv_s1 + (tt % D), mask=tt < BS)
+        probe = tl.load(kv_ptr + block * kv_s0 + tt * kv_s1 + (tt % KD), mask=tt < BS)
         seen_start = tl.load(made_at_ptr + block) == tl.load(epochs_ptr + block)
         probe = tl.where(seen_start, probe.to(tl.float32), float("nan"))
         tl.store(probe_ptr + block * BS + tt, probe, mask=tt < BS)
@@ -103,7 +103,7 @@ if triton is not None:
     def _fold_decode_kernel(key_ptr, key_s0, key_s1, slot_ptr, epochs_ptr, made_at_ptr,
                             sum_ptr, minmax_ptr, probe_ptr, kv_ptr, kv_s0, kv_s1,
                             BS: tl.constexpr, BSP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                            DP: tl.constexpr, P: tl.constexpr, PS: tl.constexpr,
+                            DP: tl.constexpr, P: tl.constexpr, PS: tl.constexpr, KD: tl.constexpr,
                             BOUNDS: tl.constexpr, PROBE: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -136,7 +136,7 @@ if triton is not None:
                     tl.store(mm + D, tl.minimum(tl.load(mm + D, mask=hd, other=0.0), key), mask=hd)
             if PROBE:
                 if offset == BS - 1:
-                    _take_probe(block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr, BS, BSP, D)
+                    _take_probe(block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr, BS, BSP, KD)
 
     @_jit("_block_logits_kernel")
     def _block_logits_kernel(q_ptr, q_s0, q_s1, qsl_ptr, seq_ptr, table_ptr, table_s0,
@@ -145,8 +145,8 @@ if triton is not None:
                              kv_ptr, kv_s0, kv_s1,
                              BS: tl.constexpr, BSP: tl.constexpr, H: tl.constexpr, G: tl.constexpr,
                              GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr,
-                             PS: tl.constexpr, TJ: tl.constexpr, BOUND: tl.constexpr, Q_IN_ORDER: tl.constexpr,
-                             FOLD: tl.constexpr, PROBE: tl.constexpr):
+                             PS: tl.constexpr, KD: tl.constexpr, TJ: tl.constexpr, BOUND: tl.constexpr,
+                             Q_IN_ORDER: tl.constexpr, FOLD: tl.constexpr, PROBE: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         j = tl.program_id(2) * TJ + tl.arange(0, TJ)
@@ -197,7 +197,7 @@ if triton is not None:
                     if PROBE:
                         if offset == BS - 1:
                             _take_probe(fold_block, kv_ptr, kv_s0, kv_s1, made_at_ptr, epochs_ptr, probe_ptr,
-                                        BS, BSP, D)
+                                        BS, BSP, KD)
         start = offset == 0
         if BOUND:
             rows = minmax_ptr + block[:, None] * (H * 2 * D) + h * (2 * D) + d[None, :]
@@ -411,6 +411,12 @@ def _key_view(pages):
     return view
 
 
+def _probe_dims(view, head_size: int) -> int:
+    """The head size of the pages probes are read from (a summary's keys
+    may be fewer channels: ``channels``)."""
+    return view.shape[3] if view is not None else head_size
+
+
 def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: torch.Tensor, pages) -> None:
     """``LayerSummaries.add_keys`` for a decode-only call (at most one new
     token per block), in one launch."""
@@ -427,7 +433,8 @@ def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: to
         layer.part_sum, layer.minmax if layer.minmax is not None else _dummy(device), layer.probe,
         kv, kv.stride(0) if view is not None else 0, kv.stride(1) if view is not None else 0,
         BS=layer.block_size, BSP=pow2(layer.block_size), H=h, HP=pow2(h), D=d, DP=pow2(d), P=layer.parts,
-        PS=layer.part_size, BOUNDS=layer.minmax is not None, PROBE=view is not None, num_warps=1)
+        PS=layer.part_size, KD=_probe_dims(view, d), BOUNDS=layer.minmax is not None, PROBE=view is not None,
+        num_warps=1)
 
 
 def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_blocks: int, local_blocks: int,
@@ -473,8 +480,8 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
         query, query.stride(0), query.stride(1), batch.query_start_loc, batch.seq_lens, table, table.stride(0),
         summaries, minmax, logits, width, float(batch.scale), *fold_args,
         BS=batch.block_size, BSP=pow2(batch.block_size), H=h, G=group, GP=pow2(group), D=d, DP=pow2(d),
-        P=parts, PS=part_size, TJ=tile, BOUND=bound, Q_IN_ORDER=query_in_order, FOLD=fold is not None,
-        PROBE=view is not None, num_warps=4)
+        P=parts, PS=part_size, KD=_probe_dims(view, d), TJ=tile, BOUND=bound, Q_IN_ORDER=query_in_order,
+        FOLD=fold is not None, PROBE=view is not None, num_warps=4)
     width_pow2 = max(16, pow2(width))
     assert keep.numel() >= width_pow2 + 1
     if choice is not None:
