@@ -21,13 +21,14 @@
 #   checksum  checksum_bench.py: xxh3 of sealed rows on 1..8 threads (checksum.*)
 #   sparse    gpu_sparse_bench.py at 8k and 32k: selection, a reused choice,
 #             attention over the kept blocks against dense (sparse.*)
+#   channels  the same with block_topk's channels: 32 (channels.*)
 #   transfer  gpu_bench.py without the large cache: gather and scatter by
 #             layout against raw pinned copies (transfer.*)
 # Each part's output goes to OUT; its exit status is printed.
 set -u
-OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests sanitize worker checksum sparse transfer]}
+OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests sanitize worker checksum sparse channels transfer]}
 shift
-PARTS=${*:-tests sanitize worker checksum sparse transfer}
+PARTS=${*:-tests sanitize worker checksum sparse channels transfer}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
@@ -46,9 +47,11 @@ for part in $PARTS; do
                       > "$OUT/checksum.txt" 2>&1 ;;
         sparse)   python3 benchmarks/gpu_sparse_bench.py --contexts 8192 32768 --steps 10 --json "$OUT/sparse.json" \
                       > "$OUT/sparse.txt" 2>&1 ;;
+        channels) python3 benchmarks/gpu_sparse_bench.py --contexts 8192 32768 --steps 10 --channels 32 \
+                      --json "$OUT/channels.json" > "$OUT/channels.txt" 2>&1 ;;
         transfer) python3 benchmarks/gpu_bench.py --big-cache-gib 0 --no-sparse --json "$OUT/transfer.json" \
                       > "$OUT/transfer.txt" 2>&1 ;;
-        *)        echo "unknown part '$part' (known: tests sanitize worker checksum sparse transfer)" >&2; exit 2 ;;
+        *)        echo "unknown part '$part' (known: tests sanitize worker checksum sparse channels transfer)" >&2; exit 2 ;;
     esac
     echo "$part: exit status $?"
 done

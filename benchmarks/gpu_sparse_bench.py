@@ -185,6 +185,7 @@ class Shapes:
     head: int = 128
     block_size: int = 16
     keep_ratio: float = 0.25
+    channels: int | None = None     # block_topk's option: every key scored on this many channels
 
 
 class Workload:
@@ -270,9 +271,11 @@ class Workload:
 ALWAYS_REUSE = 1 << 30
 
 
-def _method(kernels: str, keep_ratio: float, dense_below: int = 0, reselect_every: int = 1) -> BlockTopK:
-    return BlockTopK(BlockTopKOptions.parse({"keep_ratio": keep_ratio, "dense_below": dense_below,
-                                             "reselect_every": reselect_every}), kernels=kernels)
+def _method(kernels: str, shapes: Shapes, dense_below: int = 0, reselect_every: int = 1) -> BlockTopK:
+    options = {"keep_ratio": shapes.keep_ratio, "dense_below": dense_below, "reselect_every": reselect_every}
+    if shapes.channels is not None:
+        options["channels"] = shapes.channels
+    return BlockTopK(BlockTopKOptions.parse(options), kernels=kernels)
 
 
 # -- timing -------------------------------------------------------------------------
@@ -382,7 +385,7 @@ def _per_layer(fn, steps: int, graph: bool = True) -> dict:
 
 def measure_selection(work: Workload, kernels: str, steps: int) -> dict:
     """The hook alone, per layer call."""
-    method = _method(kernels, work.s.keep_ratio)
+    method = _method(kernels, work.s)
     step = Stepper(work, method)
     out = {"kernels": kernels}
     out.update(_per_layer(step, steps))
@@ -396,11 +399,11 @@ def measure_selection(work: Workload, kernels: str, steps: int) -> dict:
     if launched is not None:
         out["kernels_per_call"] = launched[0] / LAYERS_PER_STEP
         out["kernel_us_per_call"] = {k: v / LAYERS_PER_STEP for k, v in launched[1].items()}
-    fold = Stepper(work, _method(kernels, work.s.keep_ratio, dense_below=1 << 30))
+    fold = Stepper(work, _method(kernels, work.s, dense_below=1 << 30))
     out["fold_only_eager_ms"] = _events_ms(fold, steps) / LAYERS_PER_STEP
     # A call that reuses the step before's choice (reselect_every): the fold
     # and a few small ops, no scoring.
-    reusing = _method(kernels, work.s.keep_ratio, reselect_every=ALWAYS_REUSE)
+    reusing = _method(kernels, work.s, reselect_every=ALWAYS_REUSE)
     reused = Stepper(work, reusing)
     timed = _per_layer(reused, steps)
     out["reused_eager_ms"], out["reused_graph_ms"] = timed["eager_ms"], timed.get("graph_ms")
@@ -422,7 +425,7 @@ def measure_verify(shapes: Shapes, context: int, layers: int, kernels: str, step
     blocks they complete summarised again from their pages, then scored
     and selected as a decode call is."""
     work = Workload(shapes, context, layers, DEVICE, query_tokens=query_tokens)
-    method = _method(kernels, shapes.keep_ratio)
+    method = _method(kernels, shapes)
     method.speculate(query_tokens - 1)
     step = Stepper(work, method)
     out = {"kernels": kernels, "query_tokens": query_tokens}
@@ -463,9 +466,9 @@ def measure_layers(work: Workload, method: BlockTopK, kernels: str, steps: int) 
     out["sparse_sdpa"] = _per_layer(lambda: [sdpa(*kept) for _ in range(LAYERS_PER_STEP)], steps)
     sparse = Stepper(work, method, lambda i, sel: sdpa(*kept))
     out["hook+sparse_sdpa"] = _per_layer(sparse, steps)
-    fallback = Stepper(work, _method(kernels, s.keep_ratio, dense_below=1 << 30), lambda i, sel: sdpa(*full))
+    fallback = Stepper(work, _method(kernels, s, dense_below=1 << 30), lambda i, sel: sdpa(*full))
     out["hook_dense+dense_sdpa"] = _per_layer(fallback, steps)
-    reusing = Stepper(work, _method(kernels, s.keep_ratio, reselect_every=ALWAYS_REUSE), lambda i, sel: sdpa(*kept))
+    reusing = Stepper(work, _method(kernels, s, reselect_every=ALWAYS_REUSE), lambda i, sel: sdpa(*kept))
     out["reused+sparse_sdpa"] = _per_layer(reusing, steps)
     if triton is not None:
         paged = PagedAttention(rows, s.heads, kvh, d, device=work.device)
@@ -480,7 +483,7 @@ def measure_layers(work: Workload, method: BlockTopK, kernels: str, steps: int) 
         sparse_paged = Stepper(work, method, lambda i, sel: paged(
             work.query, views[i % len(views)], sel.block_table, sel.seq_lens, result, scale))
         out["hook+sparse_paged"] = _per_layer(sparse_paged, steps)
-        reused_paged = Stepper(work, _method(kernels, s.keep_ratio, reselect_every=ALWAYS_REUSE),
+        reused_paged = Stepper(work, _method(kernels, s, reselect_every=ALWAYS_REUSE),
                                lambda i, sel: paged(work.query, views[i % len(views)], sel.block_table,
                                                     sel.seq_lens, result, scale))
         out["reused+sparse_paged"] = _per_layer(reused_paged, steps)
@@ -511,7 +514,7 @@ def same_blocks_cpu_vs_cuda(work: Workload, kernels: str, steps: int = 2) -> dic
     """The CPU torch path and the CUDA path on the same inputs: chosen
     blocks compared row by row over ``steps`` steps of 4 layers."""
     cpu = torch.device("cpu")
-    methods = {"cuda": _method(kernels, work.s.keep_ratio), "cpu": _method("torch", work.s.keep_ratio)}
+    methods = {"cuda": _method(kernels, work.s), "cpu": _method("torch", work.s)}
     cuda_batches = work.batches(4)
     cpu_batches = []
     views_cpu = [v.cpu() for v in work.views]
@@ -562,7 +565,7 @@ def measure_warm_up(shapes: Shapes, contexts: list[int]) -> dict:
     knobs = triton.knobs.runtime
     before, knobs.jit_post_compile_hook = knobs.jit_post_compile_hook, note
     try:
-        method = _method("triton", shapes.keep_ratio)
+        method = _method("triton", shapes)
         works = [Workload(shapes, c, 1, DEVICE) for c in sorted(contexts)]
         t0 = time.perf_counter()
         launches = method.warm_up(works[-1].batches(1)[0])
@@ -721,6 +724,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=4, help="physical caches the 32 layer calls cycle over")
     ap.add_argument("--steps", type=int, default=10, help="decode steps (of 32 layer calls) per timing round")
     ap.add_argument("--keep-ratio", type=float, default=0.25)
+    ap.add_argument("--channels", type=int, help="block_topk's channels option (default: blocks' mean keys)")
     ap.add_argument("--paths", nargs="+", default=["triton", "torch"], choices=["triton", "torch"])
     ap.add_argument("--torch-at", type=int, nargs="*", default=[8192, 32768],
                     help="contexts at which the torch path is timed too")
@@ -731,7 +735,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sparse_bench needs CUDA")
-    shapes = Shapes(rows=args.rows, keep_ratio=args.keep_ratio)
+    shapes = Shapes(rows=args.rows, keep_ratio=args.keep_ratio, channels=args.channels)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', None)}; {shapes}", flush=True)
     warm_up = None
