@@ -75,8 +75,9 @@ def scores(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: 
         index = t.part_index(parts, h)
         summaries = _take_rows(layer.part_sum.view(-1, d), index).view(n * h, width * parts, d)
         if summaries.dtype != q.dtype and _multiplies(summaries):
-            # 16-bit summaries (keys kept as they are: ``channels``), scored
-            # in their dtype, the sums in fp32 (the logits rounded to it).
+            # 16-bit summaries (keys kept as they are: ``channels``): the
+            # matmul in their dtype (fp32 accumulation, its output rounded to
+            # it), the rest in fp32.
             logits = torch.bmm(q.to(summaries.dtype), summaries.transpose(1, 2)).float()
         else:
             logits = torch.bmm(q, summaries.transpose(1, 2).float())
