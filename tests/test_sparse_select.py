@@ -485,6 +485,8 @@ def test_below_dense_below_a_call_costs_nothing_and_the_summaries_catch_up_from_
     assert skipped is not None                             # 1,198: thinned again
     stats = lazy.stats()
     assert stats.sparse_rows == 3 and stats.blocks_dense == 2 * (57 + 38 + 75)
+    # Every block the thinned call's rows read was summarised from its page.
+    assert stats.blocks_summarized_from_pages == 57 + 38 + 75
     # The rebuilt summaries are the folded ones (to rounding), so the choice is too.
     a, b = lazy._layers["layers.0"], eager._layers["layers.0"]
     used = torch.cat([torch.tensor(t) for t in reqs.tables])

@@ -300,7 +300,7 @@ class BlockTopK(SparseMethod):
         checking = keeper.checking()
         has_keys = batch.key is not None and batch.slot_mapping is not None
         if layer.behind and not plan.dense and batch.pages is not None:
-            keeper.catch_up(layer, batch, plan, epochs)
+            keeper.catch_up(layer, batch, plan, epochs, totals)
             has_keys = False                   # the pages already hold this call's keys
         reuse = not plan.dense and not checking and self._kept.reusable(batch.layer_name)
         # A decode-only call on the Triton path folds its keys in the scoring

@@ -27,7 +27,9 @@ import torch
 
 from .base import AttentionBatch, SparseStats, StepInfo
 from .summaries import BlockEpochs, LayerSummaries, to_device
-from .topk_plan import StepPlan
+from .topk_plan import STATS, StepPlan
+
+_FROM_PAGES = STATS.index("blocks_summarized_from_pages")
 
 
 logger = logging.getLogger("vllm.ucm_connector.sparse")
@@ -228,8 +230,8 @@ class SummaryKeeper:
         if pending is not None and pending.first_time(batch.layer_name) and batch.pages is not None:
             full, partial, fills = pending.tensors(epochs.device)
             kept_rebuilt = layer.refresh_known(full, partial, fills, epochs, batch.pages)
-            # Counters 5 and 6 of STATS: blocks_summarized_from_pages, blocks_probed_unchanged.
-            totals[5:7] += kept_rebuilt.flip(0)
+            # blocks_summarized_from_pages, then blocks_probed_unchanged (STATS' order).
+            totals[_FROM_PAGES:_FROM_PAGES + 2] += kept_rebuilt.flip(0)
         copies = self._copies
         if copies is not None and copies.first_time(batch.layer_name):
             src, dst, _ = copies.tensors(epochs.device)
@@ -250,11 +252,13 @@ class SummaryKeeper:
             self._skipped_reqs |= self._step_reqs if self._step_reqs is not None else set()
 
     def catch_up(self, layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan,
-                 epochs: torch.Tensor) -> None:
+                 epochs: torch.Tensor, totals: torch.Tensor) -> None:
         """Rebuild, from the pages (which hold this call's keys too), the
-        summaries of every block this call's rows read."""
+        summaries of every block this call's rows read (counted in
+        ``totals``, the device counters)."""
         t = plan.tensors(batch)
         layer.rebuild(t.table, t.valid, t.fills, epochs, batch.pages)
+        totals[_FROM_PAGES] += t.valid.sum()
         if not plan.step_reqs_noted:
             # Requests that wrote keys while calls were left dense and
             # are not among this step's rows keep every layer rebuilding
