@@ -685,6 +685,29 @@ def test_a_reused_choice_reads_the_blocks_of_the_step_before_and_a_new_last_bloc
     assert scoring.stats().rows_reused == 0
 
 
+@pytest.mark.parametrize("device, kernels", PATHS)
+def test_a_drafters_calls_inside_a_step_do_not_make_the_targets_choice_older(device, kernels):
+    """Under EAGLE or MTP a drafter's layers run inside the target's step,
+    with metadata of other shapes (here: two tokens per row, the drafter's
+    first pass over the accepted tokens).  The target still reuses its
+    choice at the next step."""
+    reqs = Requests(device, [962, 600, 1200], [4, 4, 4], seed=3)
+    method = _method({"keep_ratio": 0.25, "reselect_every": 2}, kernels)
+    reqs.start(method)
+    info = StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids))
+    ages = {}
+    for step, back in {2: 3, 3: 2, 4: 1, 5: 0}.items():
+        method.begin_step(info)
+        target = _decode(reqs, "layers.0", step, back)
+        method.before_attention(target)
+        lens = target.seq_lens.tolist()
+        drafted = method.before_attention(reqs._batch("draft.0", step, [(n - 2, n) for n in lens], lens, []))
+        assert drafted is None or drafted.seq_lens.tolist() == lens      # rows of two tokens: read whole
+        ages[step] = method._kept._choices["layers.0"].age
+    assert ages == {2: 1, 3: 0, 4: 1, 5: 0}
+    assert method.stats().rows_reused == 3
+
+
 def _swapped(reqs: Requests, order: list[int]) -> Requests:
     """The same requests in another row order (vLLM moves rows when others finish)."""
     other = Requests.__new__(Requests)

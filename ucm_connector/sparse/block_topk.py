@@ -119,6 +119,7 @@ class BlockTopK(SparseMethod):
                                      bounds=options.score == "bound")
         self._thin_from = options.thin_from()
         self._plan: StepPlan | None = None
+        self._plan_step: int | None = None  # the engine step index of the last plan
         # Counters on the device (see STATS), and those only the host sees.
         self._totals: torch.Tensor | None = None
         self._host_stats = SparseStats()
@@ -171,7 +172,13 @@ class BlockTopK(SparseMethod):
             return plan
         self._flush_plan()
         plan = self._plan = StepPlan.make(key, batch, self.options, self._thin_from, self._query_tokens)
-        self._kept.new_step()
+        # A choice is reused at the engine's next step: a drafter's forward
+        # (EAGLE's, MTP's) runs inside the target's step, with calls of
+        # other shapes, and does not make it older.  Without a step index
+        # every plan is a step of its own.
+        if batch.step is None or batch.step != self._plan_step:
+            self._kept.new_step()
+        self._plan_step = batch.step
         return plan
 
     def _flush_plan(self) -> None:

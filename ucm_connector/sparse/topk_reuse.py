@@ -82,7 +82,7 @@ class KeptChoices:
 
     def _shared(self, plan: StepPlan, t: RowTensors) -> dict[str, torch.Tensor]:
         """What every layer call of the step uses: each row's last block and its id."""
-        if self._step is None or self._step[0] != self._serial:
+        if self._step is None or self._step[0] != self._serial or self._step[1] is not t:
             last = (t.num_blocks - 1).clamp(0, plan.width - 1)
             self._step = (self._serial, t, {"last": last, "last_ids": t.table.gather(1, last.unsqueeze(1)).squeeze(1)})
         return self._step[2]
