@@ -926,15 +926,16 @@ def test_a_query_quantized_for_an_fp8_cache_selects_the_blocks_its_full_precisio
         assert differ <= 2, chosen
 
 
+@pytest.mark.parametrize("channels", [None, 16])
 @pytest.mark.parametrize("fp8_scale", [None, 0.05])
 @pytest.mark.parametrize("device, kernels", PATHS)
-def test_blocks_loaded_behind_the_forward_are_checked_without_waiting(device, kernels, fp8_scale):
+def test_blocks_loaded_behind_the_forward_are_checked_without_waiting(device, kernels, fp8_scale, channels):
     """Blocks refilled behind the forward (a connector load, a prefix-cache
     hit) are checked without waiting for the device: one hit with the same
     keys keeps its summaries, new content is summarized from the pages, and
     the block that new content makes hot is chosen.  The same over
     FlashAttention's per-tensor fp8 cache, read back times its scale
-    (probes as stored)."""
+    (probes as stored), and with ``channels``."""
     reqs = Requests(device, [1600, 800], [1, 1], seed=7, fp8_scale=fp8_scale)
     if fp8_scale is not None:
         ids = torch.tensor(reqs.tables[0][:3], device=reqs.device)
@@ -942,7 +943,7 @@ def test_blocks_loaded_behind_the_forward_are_checked_without_waiting(device, ke
         assert torch.equal(reqs.pages.read(ids), stored.float() * fp8_scale)
         truth = torch.stack([reqs.keys[0][b * 16:(b + 1) * 16] for b in range(3)]).to(reqs.device).float()
         assert (reqs.pages.read(ids) - truth).abs().max() < 0.1 * truth.abs().max()
-    method = _method({"budget_blocks": 3}, kernels)
+    method = _method({"budget_blocks": 3, **({"channels": channels} if channels else {})}, kernels)
     reqs.start(method)
     # A connector load puts new content into request 0's first 99 blocks
     # (its hot block is now position 40); a prefix-cache hit on request 1's
@@ -961,7 +962,10 @@ def test_blocks_loaded_behind_the_forward_are_checked_without_waiting(device, ke
     table = reqs.tables[0]
     assert selection.block_table[0, :3].tolist() == [table[0], table[40], table[99]]
     stats = method.stats()
-    assert (stats.blocks_summarized_from_pages, stats.blocks_probed_unchanged) == (99, 40)
+    # With channels, the history's call chose them and summarized its 150
+    # blocks from the pages first.
+    rebuilt = 99 if channels is None else 150 + 99
+    assert (stats.blocks_summarized_from_pages, stats.blocks_probed_unchanged) == (rebuilt, 40)
 
 
 def _fake_flash_layer(kv_cache_dtype: str, quantized_query: bool, k_scale, q_scale=1.0):
