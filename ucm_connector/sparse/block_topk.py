@@ -70,7 +70,9 @@ soft-max / top-k / order / write the selection per row; a call that
 reuses a choice (``reselect_every``) is two kernels too: the fold, then one
 program per row that copies the choice.  Every variant of them that the
 layer can launch is compiled at start-up (``warm_up``), none while serving.
-The torch path
+With ``channels`` the call's query, keys and pages are first cut down to
+the layer's channels (a few gathers); either path then runs as for mean
+keys, with one slice per token.  The torch path
 (``torch_select.py``: CPU, or CUDA without Triton) computes the same
 selection with a few dozen ops, also without waiting.  Only two rare
 situations wait: the steps after the method starts while requests are

@@ -21,8 +21,10 @@ below ``dense_below``).
 
 Here the choice and the projection: of a call's query and keys onto the
 channels, and of the pages' keys (``ChannelPages``), so that the summaries
-and the selection run unchanged, on keys ``r`` wide with one slice per
-token.  Knows attention math and tensors; nothing of vLLM.
+and the selection (torch ops or the Triton kernels) run unchanged, on keys
+``r`` wide with one slice per token; a slice holds one key, so the
+summaries keep it in its own 16-bit dtype, exactly (``SummaryKeeper``).
+Knows attention math and tensors; nothing of vLLM.
 """
 
 from __future__ import annotations
