@@ -104,6 +104,22 @@ def test_a_block_that_matters_for_one_key_is_chosen_where_mean_keys_pass_it_over
     assert NEEDLE // BS not in read and set(read[1:-1]) <= set(warm)
 
 
+@pytest.mark.parametrize("kernels", _kernels("cpu"))
+def test_an_fp16_model_keeps_fp16_summaries_and_finds_the_needle(kernels):
+    """Summaries in the model's dtype whatever 16-bit one it is (on CPU an
+    fp16 matmul is slow: they are scored in fp32 there)."""
+    from patches.attention import FlashKeyPages
+
+    reqs, _, _ = _haystack(0)
+    reqs.kv = reqs.kv.half()
+    reqs.pages = FlashKeyPages(reqs.kv, 64)
+    make = reqs._batch
+    reqs._batch = lambda *args: dataclasses.replace(b := make(*args), query=b.query.half(), key=b.key.half())
+    method, selection, _, _ = _run(reqs, {"keep_ratio": 0.125, "channels": 8}, kernels)
+    assert method._layers["layers.0"].part_sum.dtype == torch.float16
+    assert NEEDLE // BS in _positions(reqs, selection)
+
+
 def test_the_summaries_hold_every_key_on_the_chosen_channels():
     reqs, loud, _ = _haystack(0)
     keys = reqs.keys[0].float()
