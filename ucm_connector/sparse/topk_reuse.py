@@ -65,7 +65,8 @@ class KeptChoices:
         self.every = every
         self._choices: dict[str, Choice] = {}
         self._serial = 0
-        self._step: tuple[int, RowTensors, dict[str, torch.Tensor]] | None = None
+        # The current plan's rows, and what its reusing calls share (``_shared``).
+        self._by_plan: tuple[RowTensors, dict[str, torch.Tensor]] | None = None
         self._reused: list[tuple[torch.Tensor, torch.Tensor]] = []    # (ok, count) of the plan's reused calls
 
     def new_step(self) -> None:
@@ -81,11 +82,12 @@ class KeptChoices:
         return choice is not None and choice.serial == self._serial - 1 and choice.age < self.every - 1
 
     def _shared(self, plan: StepPlan, t: RowTensors) -> dict[str, torch.Tensor]:
-        """What every layer call of the step uses: each row's last block and its id."""
-        if self._step is None or self._step[0] != self._serial or self._step[1] is not t:
+        """What every layer call of the plan uses: each row's last block and
+        its id (a plan's ``RowTensors`` are its own: a new plan, new ones)."""
+        if self._by_plan is None or self._by_plan[0] is not t:
             last = (t.num_blocks - 1).clamp(0, plan.width - 1)
-            self._step = (self._serial, t, {"last": last, "last_ids": t.table.gather(1, last.unsqueeze(1)).squeeze(1)})
-        return self._step[2]
+            self._by_plan = (t, {"last": last, "last_ids": t.table.gather(1, last.unsqueeze(1)).squeeze(1)})
+        return self._by_plan[1]
 
     def record(self, layer_name: str, batch: AttentionBatch, plan: StepPlan, positions: torch.Tensor) -> None:
         """Keep a fresh choice: ``positions`` as ``torch_select.select``
@@ -166,7 +168,7 @@ class KeptChoices:
         if not self._reused:
             return
         oks, counts = (torch.stack(x) for x in zip(*self._reused))
-        t = self._step[1]
+        t = self._by_plan[0]
         calls = len(self._reused)
         self._reused = []
         with torch.inference_mode():
