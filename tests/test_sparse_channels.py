@@ -25,7 +25,7 @@ import torch
 from test_sparse_select import PATHS, OpLog, Requests, _cdiv, _kernels, _method
 from test_sparse_speculative import LENS, Q_LENS, _aligned
 
-from ucm_connector.sparse import RequestStart, SparseConfigError, StepInfo
+from ucm_connector.sparse import RequestStart, SparseConfigError, StepInfo, torch_select
 from ucm_connector.sparse.block_topk import BlockTopKOptions
 
 # The first chunk is shorter than DENSE_BELOW: left dense, before any channel is chosen.
@@ -118,6 +118,22 @@ def test_an_fp16_model_keeps_fp16_summaries_and_finds_the_needle(kernels):
     method, selection, _, _ = _run(reqs, {"keep_ratio": 0.125, "channels": 8}, kernels)
     assert method._layers["layers.0"].part_sum.dtype == torch.float16
     assert NEEDLE // BS in _positions(reqs, selection)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bf16_summaries_choose_the_same_blocks_whether_a_cpu_multiplies_them_in_bf16_or_fp32(seed, monkeypatch):
+    """On a CPU with bf16 dot products (AVX512-BF16, AMX) the summaries are
+    multiplied in bf16; elsewhere (AVX2) in fp32, where a bf16 matmul is
+    several times slower.  Whichever this CPU is, both ways run here."""
+    reqs, _, _ = _haystack(seed)
+    chosen = {}
+    for has_dot in (True, False):
+        monkeypatch.setattr(torch_select, "_cpu_has_bf16_dot", lambda has_dot=has_dot: has_dot)
+        method, selection, _, _ = _run(reqs, {"keep_ratio": 0.125, "channels": 8})
+        assert method._layers["layers.0"].part_sum.dtype == torch.bfloat16
+        chosen[has_dot] = _positions(reqs, selection)
+    assert NEEDLE // BS in chosen[True]
+    assert chosen[True] == chosen[False]
 
 
 def test_the_summaries_hold_every_key_on_the_chosen_channels():
