@@ -483,8 +483,8 @@ def engines(tmp_path_factory, request):
         _gen("ov_first", [A]), {"op": "flush", "name": "ov_flush", "min_blocks": 10},
         _gen("ov_second", [A]),
     ], hf_overrides=OVERRIDES), deps=["plain-fills"]))
-    eng.add(Run("ref-overridden", {"model": TINY, "store": None, "hf_overrides": OVERRIDES,
-                                   "steps": [_gen("ov_ref", [A])]}))
+    eng.add(Run("ref-overridden", {"model": TINY, "store": None, "hf_overrides": OVERRIDES, "prefix_caching": True,
+                                   "steps": [_gen("ov_ref_cold", [A]), _gen("ov_ref_hit", [A])]}))
 
     eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
     eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
@@ -773,14 +773,17 @@ def test_under_speculative_decoding_blocks_loaded_from_the_store_give_vllms_own_
 def test_an_engine_with_hf_overrides_never_loads_the_plain_engines_blocks(engines):
     """--hf-overrides changes the KV of the same files (here the RoPE base):
     the overridden engine finds none of the plain engine's five blocks,
-    stores its own beside them and loads those; its tokens are the ones it
-    computes without a connector."""
+    stores its own beside them and loads those; its tokens are vLLM's own
+    with the same override, computed and from its prefix cache."""
     plain, got = engines.result("plain-fills"), engines.result("overridden")
     ref = engines.result("ref-overridden")
     assert got["ov_first"]["cached"] == [0] and _external_hits(got["ov_first"]) == 0
     assert got["ov_second"]["cached"] == [5 * BLOCK]
-    assert got["ov_first"]["outputs"] == got["ov_second"]["outputs"] == ref["ov_ref"]["outputs"]
-    assert plain["plain"]["outputs"] != ref["ov_ref"]["outputs"]        # the override changes the model
+    # Against vLLM's own: computed from scratch, and its prefix-cache hit of the same five blocks.
+    assert ref["ov_ref_hit"]["cached"] == [5 * BLOCK]
+    assert got["ov_first"]["outputs"] == ref["ov_ref_cold"]["outputs"]
+    assert got["ov_second"]["outputs"] == ref["ov_ref_hit"]["outputs"]
+    assert plain["plain"]["outputs"] != ref["ov_ref_cold"]["outputs"]        # the override changes the model
 
 
 @uses("pooling")
