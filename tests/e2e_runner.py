@@ -13,7 +13,8 @@ Spec::
      "max_num_batched_tokens": 256,      # small: long prompts go through chunked prefill
      "extra_config": {...},              # more kv_connector_extra_config keys
                                          # (load_policy defaults to "always" here)
-     "dtype": "bfloat16", "block_size": 128, "tensor_parallel_size": 1,
+     "dtype": D,                         # default: ucm_testing.dtypes.engine_dtype()
+     "block_size": 128, "tensor_parallel_size": 1,
      "num_gpu_blocks_override": null,    # a small KV cache forces preemption
      "max_model_len": 4096,
      "kv_events_port": null,             # publish KV events over ZMQ on this port
@@ -37,8 +38,8 @@ Steps (each may carry a "name"; results are keyed by it):
 * ``{"op": "flush"}``: wait until the store's block count has stopped
   changing (saves are written by a background thread of the engine).
 * ``{"op": "corrupt", "root": DIR, "mode": "valid" | "raw"}``: damage every
-  block file of a ``disk://`` store.  ``valid``: negate every bf16 value of
-  the payload and re-pack the envelope, so the block checks pass but the KV is
+  block file of a ``disk://`` store.  ``valid``: negate every value of the
+  payload (of the engine's dtype) and re-pack the envelope, so the block checks pass but the KV is
   wrong.  ``raw``: flip one payload byte in place, so the checksum fails.
 * ``{"op": "damage", "tokens": [...], "index": i}``: flip a payload byte of
   block ``i`` of those tokens in this engine's store, under this engine's
@@ -100,6 +101,7 @@ if ROOT not in sys.path:
 
 # count_blocks and wait_quiet are the benchmarks' too: they live in ucm_testing.
 from ucm_testing import count_blocks, wait_quiet  # noqa: E402,F401
+from ucm_testing.dtypes import engine_dtype, itemsize  # noqa: E402
 
 
 def block_files(root: str) -> list[str]:
@@ -120,8 +122,9 @@ _TRAILER = struct.Struct("<QI8s")      # store_backends/disk.py: value len, key 
 _DISK_MAGIC = b"UCMBLK\x00\x01"
 
 
-def corrupt_disk_store(root: str, mode: str) -> int:
-    """Damage every block file under ``root``; the number of files changed."""
+def corrupt_disk_store(root: str, mode: str, itemsize: int = 2) -> int:
+    """Damage every block file under ``root`` (of KV whose values are
+    ``itemsize`` bytes); the number of files changed."""
     import numpy as np
 
     from ucm_connector import blockfmt
@@ -141,8 +144,8 @@ def corrupt_disk_store(root: str, mode: str) -> int:
             header = blockfmt.parse_header(value)
             payload = np.frombuffer(value, dtype=np.uint8)[blockfmt.HEADER_NBYTES:]
             if mode == "valid":
-                # bf16 little-endian: the sign bit is bit 7 of every odd byte.
-                payload[1::2] ^= 0x80
+                # Little-endian: the sign bit is bit 7 of each value's last byte.
+                payload[itemsize - 1::itemsize] ^= 0x80
                 blockfmt.pack_into(value, header.namespace_digest, header.payload_nbytes, key=key)
                 blockfmt.verify(value, header.namespace_digest, header.payload_nbytes, key=key)
                 f.seek(0)
@@ -224,7 +227,7 @@ def build_llm(spec: dict):
     from vllm import LLM
 
     kwargs = dict(
-        model=spec["model"], dtype=spec.get("dtype", "bfloat16"),
+        model=spec["model"], dtype=spec.get("dtype") or engine_dtype(),
         max_model_len=int(spec.get("max_model_len", 4096)),
         enforce_eager=True, enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),
@@ -443,7 +446,8 @@ def main(spec_path: str, out_path: str) -> int:
                 res = {"blocks": wait_quiet(specs[i]["store"], min_blocks=int(step.get("min_blocks", 0)),
                                             quiet_s=float(step.get("quiet_s", 0.6)))}
             elif op == "corrupt":
-                res = {"files": corrupt_disk_store(step["root"], step["mode"])}
+                res = {"files": corrupt_disk_store(step["root"], step["mode"],
+                                                  itemsize(specs[i].get("dtype") or engine_dtype()))}
             elif op == "damage":
                 res = {"key": damage_block(llms[i], specs[i]["store"], [int(t) for t in step["tokens"]],
                                            int(step["index"]))}

@@ -162,8 +162,10 @@ class SignatureSpy:
 def build_llm(spec: dict):
     from vllm import LLM
 
+    from ucm_testing.dtypes import engine_dtype
+
     kwargs = dict(
-        model=spec["model"], dtype="bfloat16", max_model_len=int(spec.get("max_model_len", 4096)),
+        model=spec["model"], dtype=engine_dtype(), max_model_len=int(spec.get("max_model_len", 4096)),
         enforce_eager=bool(spec.get("enforce_eager", True)),
         enable_prefix_caching=bool(spec.get("prefix_caching", False)), seed=0,
         max_num_batched_tokens=int(spec.get("max_num_batched_tokens", 256)),

@@ -42,6 +42,7 @@ import uuid
 import pytest
 
 from servers import RedisServer, free_port
+from ucm_testing.dtypes import other_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -375,7 +376,7 @@ def engines(tmp_path_factory, request):
                                                extra_config=options)))
 
     # Four engines alive at once on one store: two alike, which hit each
-    # other's blocks, then float32 KV and 64-token blocks, which must not.
+    # other's blocks, then KV of the other dtype and 64-token blocks, which must not.
     multi_url = f"disk://{workdir}/store-multi"
     eng.add(Run("multi", connector(multi_url, [
         _gen("a_cold", [A]),
@@ -384,10 +385,10 @@ def engines(tmp_path_factory, request):
         _gen("b_cold", [D]) | {"engine": 1},
         {"op": "flush", "name": "flush_b", "min_blocks": 8},
         _gen("a_warm", [D]),
-        _gen("f32", [A]) | {"engine": 2},
+        _gen("other_dtype", [A]) | {"engine": 2},
         _gen("bs64", [A]) | {"engine": 3},
         {"op": "flush", "name": "flush_end", "quiet_s": 1.0},
-    ], engines=[{}, {}, {"dtype": "float32"}, {"block_size": 64}])))
+    ], engines=[{}, {}, {"dtype": other_dtype()}, {"block_size": 64}])))
 
     # TP=2 (one core per worker): the reference, and the connector.
     tp_steps = [_gen("full_cold", [A]), _gen("full_warm", [A]), _gen("partial", [B])]
@@ -892,15 +893,16 @@ def test_two_engines_alive_at_once_hit_each_others_blocks(engines):
 
 
 @uses('multi')
-@pytest.mark.parametrize("step", ["f32", "bs64"])
+@pytest.mark.parametrize("step", ["other_dtype", "bs64"])
 def test_other_dtype_or_block_size_gets_no_hits(engines, step):
-    """float32 KV, or 64-token blocks, on a store holding the same prompt's
-    bfloat16 128-token blocks: no hit (another namespace), and their own
-    blocks are stored beside the others."""
+    """KV of another dtype (float32 beside bf16, or the other way round), or
+    64-token blocks, on a store holding the same prompt's 128-token blocks:
+    no hit (another namespace), and their own blocks are stored beside the
+    others."""
     got = engines.result("multi")
     assert got[step]["cached"] == [0]
     assert got[step]["finish"] == ["length"]
-    # 5 + 3 blocks of the bf16 engines, 5 float32 blocks, 11 blocks of 64 tokens.
+    # 5 + 3 blocks of the first engines, 5 of the other dtype, 11 of 64 tokens.
     assert got["flush_end"]["blocks"] == 5 + 3 + 5 + 11
 
 

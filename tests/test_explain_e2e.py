@@ -2,8 +2,10 @@
 
 One engine process (tests/e2e_runner.py) runs three engines on one
 ``disk://`` store, each with UCMConnector and vLLM's prefix cache off, so
-every reused token came from the store: bf16 with 128-token blocks, which
-saves two prompts; then float32, and bf16 with 64-token blocks. Before each
+every reused token came from the store: the tests' dtype (bf16 on a CPU
+that multiplies it natively, else float32: ``ucm_testing.dtypes``) with
+128-token blocks, which saves two prompts; then the other dtype, and
+64-token blocks. Before each
 request, ``ucm explain`` is asked about the same prompt (the same text, which
 vLLM and explain tokenise each on their own), with the engine's dtype and
 block size; the hit it reports must be the engine's ``num_cached_tokens``
@@ -19,6 +21,8 @@ import sys
 import sysconfig
 
 import pytest
+
+from ucm_testing.dtypes import engine_dtype, other_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -38,14 +42,16 @@ PREFIX = TEXT[:1500]                                        # a prompt that is a
 DIVERGING = TEXT[:1400] + _source("csv.py", 200, 1200)     # TEXT's start, then something else
 EVICTED = _source("textwrap.py", 0, 2200)                   # stored, then its block 1 evicted
 
+DTYPE, OTHER_DTYPE = engine_dtype(), other_dtype()
+
 # (case, prompt, engine, explain's namespace selection)
 CASES = [
-    ("full", TEXT, 0, ["--dtype", "bfloat16", "--block-size", "128"]),
-    ("prefix", PREFIX, 0, ["--dtype", "bfloat16", "--block-size", "128"]),
-    ("diverging", DIVERGING, 0, ["--dtype", "bfloat16", "--block-size", "128"]),
-    ("evicted", EVICTED, 0, ["--dtype", "bfloat16", "--block-size", "128"]),
-    ("float32", TEXT, 1, ["--dtype", "float32", "--block-size", "128"]),
-    ("block64", TEXT, 2, ["--dtype", "bfloat16", "--block-size", "64"]),
+    ("full", TEXT, 0, ["--dtype", DTYPE, "--block-size", "128"]),
+    ("prefix", PREFIX, 0, ["--dtype", DTYPE, "--block-size", "128"]),
+    ("diverging", DIVERGING, 0, ["--dtype", DTYPE, "--block-size", "128"]),
+    ("evicted", EVICTED, 0, ["--dtype", DTYPE, "--block-size", "128"]),
+    ("other_dtype", TEXT, 1, ["--dtype", OTHER_DTYPE, "--block-size", "128"]),
+    ("block64", TEXT, 2, ["--dtype", DTYPE, "--block-size", "64"]),
 ]
 
 
@@ -69,7 +75,7 @@ def run(tmp_path_factory):
             {"op": "flush", "name": f"flush_{case}", "quiet_s": 0.6},
         ]
     spec = {"model": TINY, "store": url, "prefix_caching": False, "max_model_len": 2048, "steps": steps,
-            "engines": [{}, {"dtype": "float32"}, {"block_size": 64}]}
+            "engines": [{"dtype": DTYPE}, {"dtype": OTHER_DTYPE}, {"dtype": DTYPE, "block_size": 64}]}
     spec_path, out_path = work / "spec.json", work / "out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
@@ -139,14 +145,17 @@ def test_an_evicted_block_is_named(run):
     assert run["evicted"]["cached"] == [BLOCK]
 
 
-@pytest.mark.parametrize("case, field", [("float32", "dtype"), ("block64", "block_size")])
+@pytest.mark.parametrize("case, field", [("other_dtype", "dtype"), ("block64", "block_size")])
 def test_another_engines_namespace_is_named_with_what_differs(run, case, field):
     report = _explained(run, case)
     assert report["namespace"] is not None, "the engine's own namespace (its manifest) was not found"
     assert report["stored_prefix_blocks"] == 0
     assert run[case]["cached"] == [0]
     assert report["reason"] == "other_namespace"
-    other = report["other_namespaces"][0]
-    assert other["namespace"]["dtype"] == "bfloat16" and other["namespace"]["block_size"] == BLOCK
+    # The first engine's namespace; block64's engine also sees the other dtype's.
+    first = [o for o in report["other_namespaces"]
+             if o["namespace"]["dtype"] == DTYPE and o["namespace"]["block_size"] == BLOCK]
+    assert len(first) == 1, report["other_namespaces"]
+    other = first[0]
     assert other["stored_prefix_blocks"] == (len(run["store"]["prompts"][0]) - 1) // BLOCK
     assert field in [d["field"] for d in other["differences"]]

@@ -36,8 +36,9 @@ ROOT = os.path.dirname(HERE)
 SMOL = os.path.join(ROOT, "models", "smollm2-135m")
 BLOCK = 128
 # Loads this many times slower than recomputing.  A throttled load takes
-# that many times the recompute, which on a CPU without bf16 dot products
-# (AVX2) took 24 s for this prompt in bf16: the store's timeout is far above that.
+# that many times the recompute, which took 24 s for this prompt in bf16 on a
+# CPU without bf16 dot products (AVX2; the tests run float32 there unless
+# UCM_TEST_DTYPE says otherwise): the store's timeout is far above that.
 BELOW_BREAK_EVEN = 3
 SLOW_REQUESTS = 5
 LIFTED = 6

@@ -3,7 +3,8 @@
 bandwidth-limiting TCP proxy in front of one (``throttle``), waiting for a
 store's background writes to settle (``stores``), and a harness that steps
 vLLM's real scheduler with a fake model over real stores (``kvharness``,
-imported by its module name: it needs vLLM).
+imported by its module name: it needs vLLM), and the dtype the test engines
+compute in on this CPU (``dtypes``).
 
 Installed with the distribution so that benchmarks import it without
 editing ``sys.path``; the product packages (``ucm_connector``,
