@@ -39,8 +39,8 @@ Steps (each may carry a "name"; results are keyed by it):
   changing (saves are written by a background thread of the engine).
 * ``{"op": "corrupt", "root": DIR, "mode": "valid" | "raw"}``: damage every
   block file of a ``disk://`` store.  ``valid``: negate every value of the
-  payload (of the engine's dtype) and re-pack the envelope, so the block checks pass but the KV is
-  wrong.  ``raw``: flip one payload byte in place, so the checksum fails.
+  payload (in the engine's dtype) and re-pack the envelope, so the block
+  checks pass but the KV is wrong.  ``raw``: flip one payload byte in place, so the checksum fails.
 * ``{"op": "damage", "tokens": [...], "index": i}``: flip a payload byte of
   block ``i`` of those tokens in this engine's store, under this engine's
   namespace (its checksum then fails); the other blocks stay as they are.
@@ -101,7 +101,7 @@ if ROOT not in sys.path:
 
 # count_blocks and wait_quiet are the benchmarks' too: they live in ucm_testing.
 from ucm_testing import count_blocks, wait_quiet  # noqa: E402,F401
-from ucm_testing.dtypes import engine_dtype, itemsize  # noqa: E402
+from ucm_testing.dtypes import engine_dtype  # noqa: E402
 
 
 def block_files(root: str) -> list[str]:
@@ -122,7 +122,7 @@ _TRAILER = struct.Struct("<QI8s")      # store_backends/disk.py: value len, key 
 _DISK_MAGIC = b"UCMBLK\x00\x01"
 
 
-def corrupt_disk_store(root: str, mode: str, itemsize: int = 2) -> int:
+def corrupt_disk_store(root: str, mode: str, itemsize: int) -> int:
     """Damage every block file under ``root`` (of KV whose values are
     ``itemsize`` bytes); the number of files changed."""
     import numpy as np
@@ -447,7 +447,7 @@ def main(spec_path: str, out_path: str) -> int:
                                             quiet_s=float(step.get("quiet_s", 0.6)))}
             elif op == "corrupt":
                 res = {"files": corrupt_disk_store(step["root"], step["mode"],
-                                                  itemsize(specs[i].get("dtype") or engine_dtype()))}
+                                                  llms[i].llm_engine.vllm_config.model_config.dtype.itemsize)}
             elif op == "damage":
                 res = {"key": damage_block(llms[i], specs[i]["store"], [int(t) for t in step["tokens"]],
                                            int(step["index"]))}

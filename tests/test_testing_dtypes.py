@@ -18,9 +18,6 @@ def test_the_default_follows_whether_the_cpu_multiplies_bf16(monkeypatch):
 def test_the_variable_forces_a_dtype(monkeypatch, forced, other):
     monkeypatch.setenv(dtypes.ENV, forced)
     assert (dtypes.engine_dtype(), dtypes.other_dtype()) == (forced, other)
-    import torch
-
-    assert dtypes.itemsize(forced) == getattr(torch, forced).itemsize
 
 
 def test_an_unknown_dtype_is_refused_by_name(monkeypatch):

@@ -44,7 +44,3 @@ def engine_dtype() -> str:
 def other_dtype() -> str:
     """The dtype a test gives an engine that must not share the others' KV."""
     return DTYPES[1 - DTYPES.index(engine_dtype())]
-
-
-def itemsize(dtype: str) -> int:
-    return {"bfloat16": 2, "float32": 4}[dtype]
