@@ -339,3 +339,24 @@ def test_a_worker_that_cannot_tell_its_tp_rank_refuses_to_start_with_tp_above_on
     config.parallel_config.tensor_parallel_size = 2
     with pytest.raises(RuntimeError, match="tensor-parallel rank is unknown.*tensor_parallel_size 2"):
         UCMConnector(config, KVConnectorRole.WORKER, h.kv_cache_config)
+
+
+def test_a_second_engines_kv_cache_is_refused_and_the_first_engines_stays_in_use(disk_url, harnesses):
+    """vLLM keeps one worker-side connector per process: a second engine in
+    the process registers its KV cache with the first engine's connector.
+    That is refused (taking it would save the first engine's blocks from
+    the second one's pages); registering the same tensors again changes
+    nothing, and the first engine's blocks are stored and loaded as before."""
+    import torch
+
+    h = harnesses(store=disk_url)
+    h.worker.register_kv_caches(h.caches)
+    other = {name: torch.zeros_like(t) for name, t in h.caches.items()}
+    with pytest.raises(RuntimeError, match="one worker-side connector per process.*VLLM_ENABLE_V1_MULTIPROCESSING"):
+        h.worker.register_kv_caches(other)
+    tokens = prompt(6 * BS + 1, seed=5)
+    run_one(h, tokens)                      # every stored block checked against its tokens' KV
+    assert len(h.stored_blocks()) == 6
+    second = harnesses(store=disk_url)
+    run_one(second, tokens)
+    assert second.counters()["loaded_blocks"] == 6

@@ -174,6 +174,13 @@ def worker_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
     return mode
 
 
+def _same_caches(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same KV cache tensors, layer for layer (memory, shape and strides)."""
+    def where(t) -> tuple:
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+    return a.keys() == b.keys() and all(a[k] is b[k] or where(a[k]) == where(b[k]) for k in a)
+
+
 class UCMConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -207,6 +214,7 @@ class UCMConnector(KVConnectorBase_V1):
         self.stats = StatsCollector()
         self._scheduler: UCMScheduler | None = None
         self._worker = None
+        self._registered_caches: dict[str, Any] | None = None
         with_events = events_enabled(vllm_config)
         auto = self.config.load_policy == "auto" and self._load_enabled
         try:
@@ -271,7 +279,19 @@ class UCMConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self._registered_caches is not None:
+            if _same_caches(self._registered_caches, kv_caches):
+                return
+            # vLLM keeps one worker-side connector per process: a second
+            # engine in this process reuses the first one's, and would load
+            # into and save from the first engine's KV cache.
+            raise RuntimeError(
+                "ucm-connector cannot start: this process already runs a vLLM engine with a KV connector, and "
+                "vLLM keeps one worker-side connector per process, so this engine would load and save through "
+                "the first engine's KV cache. Run each engine in a process of its own (leave "
+                "VLLM_ENABLE_V1_MULTIPROCESSING at 1, vLLM's default), or shut the first engine down first")
         self._worker.register_kv_caches(kv_caches)
+        self._registered_caches = dict(kv_caches)
         if self.config.sparse:
             from .plugin import warm_up_sparse, warn_of_dense_layers
 
