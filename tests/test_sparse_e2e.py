@@ -26,15 +26,13 @@ Engines (started once per module, one at a time):
 from __future__ import annotations
 
 import functools
-import json
 import os
-import subprocess
-import sys
 import sysconfig
 import tempfile
 
 import pytest
 
+from e2e_runner import run_spec
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RUNNER = os.path.join(HERE, "sparse_runner.py")
@@ -64,17 +62,9 @@ def _gen(name, prompts, max_tokens=16):
 
 def _run(name: str, spec: dict) -> dict:
     workdir = tempfile.mkdtemp(prefix=f"ucm-sparse-{name}-")
-    spec_path, out_path = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, RUNNER, spec_path, out_path], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    out = json.load(open(out_path)) if os.path.exists(out_path) else {"ok": False, "error": None}
-    if proc.returncode != 0 or not out.get("ok"):
-        pytest.fail(f"engine {name!r} failed (rc {proc.returncode}): {out.get('error')}\n"
-                    f"{(proc.stdout + proc.stderr)[-4000:]}")
+    out, done = run_spec(spec, workdir, name, timeout=TIMEOUT_S, runner=RUNNER)
+    if done.rc != 0 or not out.get("ok"):
+        pytest.fail(f"engine {name!r} failed (rc {done.rc}): {out.get('error')}\n{done.output[-4000:]}")
     return out
 
 
