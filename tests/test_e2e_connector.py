@@ -181,10 +181,13 @@ class Run:
     """One engine process: a spec (or a function of earlier runs' results
     returning one), started by the scheduler when its dependencies are done."""
 
-    def __init__(self, name, spec, deps=()):
+    def __init__(self, name, spec, deps=(), cost=1.0):
         self.name = name
         self.spec = spec
         self.deps = list(deps)
+        # Its time relative to a one-engine tiny-llama run (measured): the
+        # scheduler starts the longest chains of runs first.
+        self.cost = cost
         self.done = threading.Event()
         self.rc = None
         self.out = None
@@ -224,7 +227,7 @@ class Engines:
 
     def _schedule(self) -> None:
         active: list[threading.Thread] = []
-        pending = list(self.runs.values())
+        pending = sorted(self.runs.values(), key=self._chain_cost, reverse=True)
         while pending:
             active = [t for t in active if t.is_alive()]
             ready = [r for r in pending if all(self.runs[d].done.is_set() for d in r.deps)]
@@ -237,6 +240,11 @@ class Engines:
             time.sleep(0.2)
         for t in active:
             t.join()
+
+    def _chain_cost(self, run: Run) -> float:
+        """The cost of a run and of the longest chain of runs waiting on it."""
+        after = [self._chain_cost(r) for r in self.runs.values() if run.name in r.deps]
+        return run.cost + max(after, default=0.0)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._schedule, daemon=True)
@@ -380,7 +388,7 @@ def engines(tmp_path_factory, request):
         _gen("b_cold", [D]) | {"engine": 1},
         {"op": "flush", "name": "flush_b", "min_blocks": 8},
         _gen("a_warm", [D]),
-    ], engines=[{}, {}], multiprocessing=True)))
+    ], engines=[{}, {}], multiprocessing=True), cost=6))
     eng.add(Run("other-dtype", connector(multi_url, [
         _gen("other_dtype", [A]), {"op": "flush", "name": "flush_end", "min_blocks": 5 + 3 + 5},
     ], dtype=other_dtype()), deps=["multi"]))
@@ -391,12 +399,12 @@ def engines(tmp_path_factory, request):
     # TP=2 (one core per worker): the reference, and the connector.
     tp_steps = [_gen("full_cold", [A]), _gen("full_warm", [A]), _gen("partial", [B])]
     eng.add(Run("ref-tp2", {"model": TINY, "store": None, "prefix_caching": True,
-                            "tensor_parallel_size": 2, "multiprocessing": True, "steps": tp_steps}))
+                            "tensor_parallel_size": 2, "multiprocessing": True, "steps": tp_steps}, cost=4))
     eng.tp2_url = f"disk://{workdir}/store-tp2"
     eng.add(Run("tp2", connector(eng.tp2_url, [
         tp_steps[0], {"op": "flush", "name": "flush_cold", "min_blocks": 10},
         tp_steps[1], tp_steps[2], {"op": "flush", "name": "flush_end", "min_blocks": 14},
-    ], tensor_parallel_size=2, multiprocessing=True), deps=["ref-tp2"]))
+    ], tensor_parallel_size=2, multiprocessing=True), deps=["ref-tp2"], cost=4))
 
     # A KV cache of 12 blocks for 6 requests that grow to 5 blocks each: preemption.
     preempt_prompts = [A[:300], D[:300], E, C[:300], L[:300], L[600:900]]
@@ -473,11 +481,11 @@ def engines(tmp_path_factory, request):
     spec_turns = [_gen("spec_t1", [SPEC_PROMPT], 300),
                   _gen("spec_t2", [{"from": "spec_t1", "index": 0, "append": SPEC_NEXT}])]
     eng.add(Run("ref-spec", {"model": SMOL, "store": None, "prefix_caching": True, "speculative": SPECULATIVE,
-                             "steps": spec_turns}))
+                             "steps": spec_turns}, cost=4))
     eng.add(Run("spec", connector(f"disk://{workdir}/store-spec", [
         spec_turns[0], {"op": "flush", "name": "spec_flush", "quiet_s": 1.0},
         {"op": "reset_prefix_cache", "name": "spec_reset"}, spec_turns[1],
-    ], model=SMOL, prefix_caching=True, speculative=SPECULATIVE), deps=["ref-spec"]))
+    ], model=SMOL, prefix_caching=True, speculative=SPECULATIVE), deps=["ref-spec"], cost=2))
 
     # The same model files with --hf-overrides (another RoPE base): other
     # KV, so another namespace, on a store the plain engine filled first.
