@@ -452,6 +452,7 @@ def main(spec_path: str, out_path: str) -> int:
         text = text.replace("{proxy_port}", str(proxy.port))
     spec = json.loads(text)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     # One mode for every engine of the spec: vLLM reads it from the environment.
     multiprocessing = spec.get("multiprocessing")
     if multiprocessing is None:
@@ -466,7 +467,6 @@ def main(spec_path: str, out_path: str) -> int:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     result: dict = {"ok": False, "error": None, "steps": {}}
     subscriber = None
 

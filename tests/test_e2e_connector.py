@@ -51,7 +51,6 @@ from ucm_testing.dtypes import other_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RUNNER = os.path.join(HERE, "e2e_runner.py")
 PYTHON = sys.executable
 TINY = os.path.join(ROOT, "models", "tiny-llama")
 SMOL = os.path.join(ROOT, "models", "smollm2-135m")
