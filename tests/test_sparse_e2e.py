@@ -33,6 +33,7 @@ import tempfile
 import pytest
 
 from e2e_runner import run_spec
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RUNNER = os.path.join(HERE, "sparse_runner.py")
