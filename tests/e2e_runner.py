@@ -183,14 +183,27 @@ def run_spec(spec: dict, workdir, name: str, *, timeout: float, runner: str | No
                                      for ext in ("spec.json", "out.json", "log"))
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {}))
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+                "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})}
     done = run_script([runner or os.path.abspath(__file__), spec_path, out_path], env=full_env, cwd=ROOT,
                       output=log_path, timeout=timeout)
     out = {}
     if os.path.exists(out_path):
         with open(out_path) as f:
             out = json.load(f)
+    return out, done
+
+
+def run_spec_ok(spec: dict, workdir, name: str, **kwargs):
+    """``run_spec`` for a run that must succeed: the test fails, with the
+    run's error and the tail of its output, unless it exited 0 having
+    finished every step."""
+    import pytest
+
+    out, done = run_spec(spec, workdir, name, **kwargs)
+    if done.rc != 0 or not out.get("ok"):
+        pytest.fail(f"engine run {name!r} failed (rc={done.rc}): {out.get('error')}\n"
+                    f"--- output tail ---\n{done.output[-6000:]}")
     return out, done
 
 

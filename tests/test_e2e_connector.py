@@ -60,7 +60,8 @@ MAX_JOBS = max(1, int(os.environ.get("UCM_E2E_JOBS", "2")))
 # Each engine computes on its share of the CPUs.  Two engines with a thread
 # per CPU each were 20x slower than one (OpenMP threads spin between parallel
 # regions): a batch that took 2 s alone took 38-42 s beside another, on 2 CPUs.
-THREADS_PER_JOB = max(1, len(os.sched_getaffinity(0)) // MAX_JOBS)
+# OMP_NUM_THREADS, when set, is taken as it is.
+THREADS_PER_JOB = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // MAX_JOBS))
 
 sys.path.insert(0, HERE)
 from e2e_runner import count_blocks, run_spec  # noqa: E402
@@ -212,7 +213,7 @@ class Engines:
         try:
             spec = run.spec(self) if callable(run.spec) else run.spec
             run.out, done = run_spec(spec, self.workdir, run.name, timeout=JOB_TIMEOUT_S,
-                                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(THREADS_PER_JOB))})
+                                     env={"OMP_NUM_THREADS": THREADS_PER_JOB})
             run.rc, run.seconds, run.stderr = done.rc, done.seconds, done.output
             run.out = run.out or None
             if done.timed_out:

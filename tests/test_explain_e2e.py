@@ -20,7 +20,7 @@ import sysconfig
 
 import pytest
 
-from e2e_runner import run_spec
+from e2e_runner import run_spec_ok
 from ucm_testing.dtypes import engine_dtype, other_dtype
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,23 +57,17 @@ CASES = [
 ENGINES = [{"dtype": DTYPE}, {"dtype": OTHER_DTYPE}, {"dtype": DTYPE, "block_size": 64}]
 
 
-def _run_engine(work, name: str, spec: dict) -> dict:
-    out, done = run_spec(spec, work, name, timeout=TIMEOUT_S)
-    if done.rc != 0 or not out.get("ok"):
-        pytest.fail(f"engine run {name} failed (rc={done.rc}): {out.get('error')}\n{done.output[-6000:]}")
-    return out["steps"]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     if not os.path.isdir(TINY):
         pytest.skip(f"{TINY} missing: run `make models`")
     work = tmp_path_factory.mktemp("explain-e2e")
     url = f"disk://{work}/store"
-    steps: list[list[dict]] = [[
+    steps: list[list[dict]] = [[] for _ in ENGINES]
+    steps[0] += [
         {"op": "generate", "name": "store", "max_tokens": 8, "prompts": [{"text": TEXT}, {"text": EVICTED}]},
         {"op": "flush", "name": "flush_store", "min_blocks": 9, "quiet_s": 0.6},
-    ], [], []]
+    ]
     for case, prompt, engine, selection in CASES:
         if case == "evicted":
             steps[engine].append({"op": "evict", "name": "evict", "from": "store", "prompt": 1, "index": 1})
@@ -85,8 +79,9 @@ def run(tmp_path_factory):
         ]
     results: dict = {}
     for i, engine in enumerate(ENGINES):
-        results.update(_run_engine(work, f"engine{i}", {"model": TINY, "store": url, "prefix_caching": False,
-                                                        "max_model_len": 2048, **engine, "steps": steps[i]}))
+        out, _ = run_spec_ok({"model": TINY, "store": url, "prefix_caching": False, "max_model_len": 2048,
+                              **engine, "steps": steps[i]}, work, f"engine{i}", timeout=TIMEOUT_S)
+        results.update(out["steps"])
     return results
 
 

@@ -26,7 +26,7 @@ import uuid
 
 import pytest
 
-from e2e_runner import run_spec
+from e2e_runner import run_spec_ok
 from servers import RedisServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,10 +104,7 @@ def run(tmp_path_factory):
                         {"store": url, "extra_config": {"load_policy": "auto"}}],
             "steps": _steps(),
         }
-        out, done = run_spec(spec, workdir, "engines", timeout=1800)
-        if done.rc != 0 or not out.get("ok"):
-            pytest.fail(f"the engines' run failed (rc={done.rc}): {out.get('error')}\n"
-                        f"--- output tail ---\n{done.output[-6000:]}")
+        out, done = run_spec_ok(spec, workdir, "engines", timeout=1800)
         out["log"] = done.output
         yield out
     finally:

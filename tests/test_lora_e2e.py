@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import pytest
 
-from e2e_runner import run_spec
+from e2e_runner import run_spec_ok
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -82,9 +82,7 @@ def run(tmp_path_factory):
             _gen("base"),
         ],
     }
-    out, done = run_spec(spec, work, "lora", timeout=TIMEOUT_S)
-    if done.rc != 0 or not out.get("ok"):
-        pytest.fail(f"engine run failed (rc {done.rc}): {out.get('error')}\n{done.output[-6000:]}")
+    out, _ = run_spec_ok(spec, work, "lora", timeout=TIMEOUT_S)
     return out["steps"]
 
 

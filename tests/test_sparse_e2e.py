@@ -32,7 +32,7 @@ import tempfile
 
 import pytest
 
-from e2e_runner import run_spec
+from e2e_runner import run_spec_ok
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -63,9 +63,7 @@ def _gen(name, prompts, max_tokens=16):
 
 def _run(name: str, spec: dict) -> dict:
     workdir = tempfile.mkdtemp(prefix=f"ucm-sparse-{name}-")
-    out, done = run_spec(spec, workdir, name, timeout=TIMEOUT_S, runner=RUNNER)
-    if done.rc != 0 or not out.get("ok"):
-        pytest.fail(f"engine {name!r} failed (rc {done.rc}): {out.get('error')}\n{done.output[-4000:]}")
+    out, _ = run_spec_ok(spec, workdir, name, timeout=TIMEOUT_S, runner=RUNNER)
     return out
 
 
