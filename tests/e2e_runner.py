@@ -70,7 +70,10 @@ Steps (each may carry a "name"; results are keyed by it):
   Redis server taken down mid-run).
 * ``{"op": "sleep", "seconds": S}``.
 * ``{"op": "reset_prefix_cache"}``: empty vLLM's own prefix cache (the next
-  generate computes from scratch, or loads from the connector's store).
+  generate computes from scratch, or loads from the connector's store); with
+  ``"connector": true`` the connector's cache too (``reset_connector``).
+* ``{"op": "perturb_weights", "seed": S}``: add noise to every weight of the
+  model in place, as a weight update in a running engine changes them.
 * ``{"op": "throttle", "rate": BYTES_PER_S | null}``: limit the spec's
   throttling proxy (``"throttle_proxy": {"upstream": "HOST:PORT"}``; every
   ``{proxy_port}`` in the spec is its port) to that rate each way, or lift
@@ -429,6 +432,22 @@ class EventSubscriber:
         self._sock.close(linger=0)
 
 
+def perturb_weights(worker, seed: int) -> int:
+    """Noise of half each weight tensor's spread added to it, in place
+    (through ``collective_rpc``); returns how many tensors changed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    changed = 0
+    with torch.no_grad():
+        for param in worker.model_runner.model.parameters():
+            if param.is_floating_point() and param.numel() > 1:
+                noise = torch.randn(param.shape, generator=gen) * param.float().std() * 0.5
+                param.add_(noise.to(param.dtype))
+                changed += 1
+    return changed
+
+
 def engine_specs(spec: dict) -> list[dict]:
     base = {k: v for k, v in spec.items() if k not in ("engines", "steps")}
     return [dict(base, **over) for over in spec.get("engines") or [{}]]
@@ -545,7 +564,9 @@ def main(spec_path: str, out_path: str) -> int:
                 time.sleep(float(step["seconds"]))
                 res = {}
             elif op == "reset_prefix_cache":
-                res = {"reset": bool(llms[i].reset_prefix_cache())}
+                res = {"reset": bool(llms[i].reset_prefix_cache(reset_connector=bool(step.get("connector"))))}
+            elif op == "perturb_weights":
+                res = {"changed": llms[i].collective_rpc(perturb_weights, args=(int(step.get("seed", 0)),))}
             elif op == "throttle":
                 rate = throttle_rate(llms[i], step, result["steps"])
                 proxy.set_rate(rate)

@@ -508,6 +508,28 @@ def engines(tmp_path_factory, request):
         _gen("first_warm", [A]),
     ], multiprocessing=False)))
 
+    # Weights changed in the running engine (as reinforcement learning does),
+    # then vLLM's prefix cache reset alone, then with the connector's.  The
+    # engine keeps vLLM's prefix cache on: a salted prompt's second run is the
+    # new weights' reference for a 640-token hit.
+    fresh = {"tokens": A, "cache_salt": "new-weights"}
+    eng.add(Run("weights", connector(f"disk://{workdir}/store-weights", [
+        _gen("w_cold", [A]),
+        {"op": "flush", "name": "flush_cold", "min_blocks": 5},
+        {"op": "reset_prefix_cache", "name": "reset_vllm"},
+        _gen("w_warm", [A]),
+        {"op": "perturb_weights", "name": "update", "seed": 1},
+        {"op": "reset_prefix_cache", "name": "reset_vllm_only"},
+        _gen("w_stale", [A]),
+        {"op": "reset_prefix_cache", "name": "reset_both", "connector": True},
+        _gen("w_after", [A]),
+        {"op": "flush", "name": "flush_after", "min_blocks": 10},
+        _gen("w_ref_cold", [fresh]),
+        _gen("w_ref_warm", [fresh]),
+        {"op": "reset_prefix_cache", "name": "reset_vllm_again"},
+        _gen("w_after_warm", [A]),
+    ], prefix_caching=True)))
+
     eng.add(Run("bad-disk", connector(eng.bad_disk_url, [])))
     eng.add(Run("bad-redis", connector(eng.bad_redis_url, [])))
 
@@ -914,6 +936,31 @@ def test_a_second_engine_in_the_process_is_refused_and_the_first_goes_on_hitting
     _same(got["first_cold"], ref["full_cold"], "first engine, cold")
     _same(got["first_warm"], ref["full_warm"], "first engine, after the second was refused")
     assert _external_hits(got["first_warm"]) == 640
+
+
+@uses('weights')
+def test_after_a_weight_update_and_a_connector_reset_the_old_weights_kv_is_never_loaded(engines):
+    """The namespace fingerprints the weight files; weights changed in the
+    running engine reach the connector only through vLLM's reset of its cache
+    (``reset_prefix_cache(reset_connector=True)``; ``pause_generation`` and
+    ``sleep`` do it).  After it the engine loads nothing the old weights
+    made, gives the new weights' tokens, and then hits what it stored since.
+    Resetting only vLLM's prefix cache keeps the connector's: the old
+    weights' KV is loaded and the tokens differ (vLLM's contract, and proof
+    that this test sees stale KV)."""
+    got = engines.result("weights")
+    assert got["w_warm"]["cached"] == [640]
+    assert got["update"]["changed"][0] > 0
+    assert got["w_stale"]["cached"] == [640]
+    assert got["w_stale"]["outputs"] != got["w_ref_warm"]["outputs"], \
+        "the perturbed weights give the tokens of the old weights' KV: the test cannot tell them apart"
+    assert got["reset_both"]["reset"] is True
+    assert got["w_after"]["cached"] == [0] and _external_hits(got["w_after"]) == 0, \
+        "KV of the old weights was loaded after the connector's reset"
+    _same(got["w_after"], got["w_ref_cold"], "after the reset, cold")
+    assert got["w_ref_warm"]["cached"] == [640]
+    assert _external_hits(got["w_after_warm"]) == 640
+    _same(got["w_after_warm"], got["w_ref_warm"], "after the reset, the new weights' blocks")
 
 
 # -- several engines on one store at once; other dtype and block size ------------------------------------

@@ -351,6 +351,26 @@ def test_tp_ranks_share_the_chain_but_not_the_keys():
     assert make_namespace(tp_rank=0, tp_size=2).for_rank(1) == make_namespace(tp_rank=1, tp_size=2)
 
 
+def test_each_generation_of_keys_shares_no_key_with_another(hasher):
+    """After vLLM resets the connector's cache (the weights may have
+    changed) the engine keys blocks in a new, random generation: no key of
+    it equals one of the first generation's (which stays as pinned above)
+    or of any other generation's."""
+    ids = tokens(4 * BLOCK_SIZE)
+    first = hasher.block_keys(ids)
+    second = hasher.next_generation()
+    third = second.next_generation()
+    assert BlockHasher(hasher.namespace, b"").block_keys(ids) == first
+    assert len(second.generation) == DIGEST_NBYTES and second.generation != third.generation
+    assert second.namespace == hasher.namespace
+    keys = [first, second.block_keys(ids), third.block_keys(ids), second.block_keys(ids, cache_salt="a")]
+    assert len(set().union(*keys)) == sum(len(k) for k in keys)
+    assert BlockHasher(hasher.namespace, second.generation).block_keys(ids) == keys[1]
+    assert second.request().update(ids) == keys[1]
+    with pytest.raises(ValueError, match="generation is 16 bytes, got 5"):
+        BlockHasher(hasher.namespace, b"short")
+
+
 @pytest.mark.parametrize("extras", [
     {"cache_salt": "tenant-a"},
     {"lora": "sql-adapter"},

@@ -72,7 +72,7 @@ def prompt(n_tokens: int, seed: int = 0) -> list[int]:
 def run_one(h: Harness, tokens: list[int], max_tokens: int = 3) -> str:
     req = h.add(tokens, max_tokens)
     h.run()
-    assert h.outputs[req] == reference_generate(tokens, max_tokens, h.num_layers), \
+    assert h.outputs[req] == reference_generate(tokens, max_tokens, h.num_layers, h.weights), \
         f"request {req}: output differs from the reference"
     return req
 
@@ -360,3 +360,104 @@ def test_a_second_engines_kv_cache_is_refused_and_the_first_engines_stays_in_use
     second = harnesses(store=disk_url)
     run_one(second, tokens)
     assert second.counters()["loaded_blocks"] == 6
+
+
+# -- weight updates ------------------------------------------------------------------
+# The namespace fingerprints the weight files; weights changed in a running
+# engine reach the connector only as vLLM's reset of its cache.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_after_a_weight_update_nothing_stored_before_is_loaded(store_url, mode, harnesses):
+    """After ``reset_prefix_cache(reset_connector=True)`` and new weights,
+    the engine loads none of the blocks the old weights made, computes
+    (outputs of the new weights), and stores the new KV under keys of a new
+    generation, which it then hits; every block in the store holds the KV
+    of the weights its generation was made with (checked after each step).
+    A new engine, with the files' weights, still hits the first blocks."""
+    tokens = prompt(6 * BS + 1, seed=11)
+    always = {"load_policy": "always"}      # every hit loaded, however fast the fake model
+    h = harnesses(store=store_url, load_mode=mode, extra=always)
+    run_one(h, tokens)
+    h.scheduler.reset_prefix_cache()
+    run_one(h, tokens)
+    assert h.counters()["loaded_blocks"] == 6
+
+    assert h.update_weights(1, reset_connector=True) is True
+    assert h.generation != b""
+    run_one(h, tokens)                          # the new weights' output
+    assert h.counters()["loaded_blocks"] == 6, "blocks of the old weights were loaded after the update"
+    h.scheduler.reset_prefix_cache()
+    run_one(h, tokens)
+    assert h.counters()["loaded_blocks"] == 12
+    stored = h.stored_blocks()
+    assert set(h.keys_of(tokens)) | set(h.keys_of(tokens, h.generation)) <= set(stored)
+
+    fresh = harnesses(store=store_url, load_mode=mode, extra=always)
+    run_one(fresh, tokens)
+    assert fresh.counters()["loaded_blocks"] == 6
+
+
+def test_resetting_only_vllms_prefix_cache_after_a_weight_update_loads_the_old_weights_kv(disk_url, harnesses):
+    """vLLM's contract: ``reset_prefix_cache()`` alone keeps the connector's
+    cache.  After a weight update that loads KV of the old weights, and the
+    output is not the new weights' (which is why the update must reset the
+    connector too, and what the harness would catch if the connector's
+    reset did not hold)."""
+    tokens = prompt(6 * BS + 1, seed=11)
+    h = harnesses(store=disk_url, check_every_step=False, extra={"load_policy": "always"})
+    run_one(h, tokens)
+    h.flush()
+    assert h.update_weights(1) is True
+    req = h.add(tokens, 3)
+    h.run()
+    assert h.counters()["loaded_blocks"] == 6
+    assert h.outputs[req] != reference_generate(tokens, 3, h.num_layers, weights=1)
+
+
+def test_on_cache_reset_keep_goes_on_loading(disk_url, harnesses):
+    tokens = prompt(6 * BS + 1, seed=13)
+    h = harnesses(store=disk_url, extra={"on_cache_reset": "keep", "load_policy": "always"})
+    run_one(h, tokens)
+    assert h.update_weights(0, reset_connector=True) is True
+    assert h.generation == b""
+    run_one(h, tokens)
+    assert h.counters()["loaded_blocks"] == 6
+
+
+def test_a_request_preempted_by_the_reset_is_keyed_afresh(disk_url, harnesses):
+    """``reset_running_requests=True`` preempts a request half-way through
+    its prefill: it computes again from the start, with the new weights,
+    and stores all its blocks under the new generation's keys (the blocks
+    it stored before keep their old keys and old KV)."""
+    tokens = prompt(6 * BS + 1, seed=14)
+    h = harnesses(store=disk_url, max_num_batched_tokens=40)
+    req = h.add(tokens, 3)
+    h.step()
+    h.step()
+    before = set(h.stored_blocks())
+    assert before and before <= set(h.keys_of(tokens))
+    assert h.update_weights(1, reset_running_requests=True, reset_connector=True) is True
+    h.run()
+    assert h.outputs[req] == reference_generate(tokens, 3, h.num_layers, weights=1)
+    assert set(h.stored_blocks()) == before | set(h.keys_of(tokens, h.generation))
+
+
+def test_a_request_that_holds_kv_at_the_reset_saves_no_more(disk_url, harnesses):
+    """A reset that leaves running requests alone (vLLM then reports its own
+    reset failed) still gives the connector new keys; a request whose pages
+    hold KV of the old weights then stores none of its blocks, under the old
+    keys or the new (the store is checked after every step: a block of
+    mixed weights under either would fail)."""
+    tokens = prompt(6 * BS + 1, seed=15)
+    h = harnesses(store=disk_url, max_num_batched_tokens=40)
+    req = h.add(tokens, 3)
+    h.step()
+    h.step()
+    before = set(h.stored_blocks())
+    assert len(before) == 5
+    assert h.update_weights(1, reset_connector=True) is False     # vLLM's own reset: blocks in use
+    assert h.generation != b""
+    h.run()
+    assert req in h.finished
+    assert set(h.stored_blocks()) == before

@@ -158,6 +158,14 @@ OPTIONS: tuple[Option, ...] = (
            "is a measurement, auto loads like always. Hit tokens left unloaded are counted in "
            "vllm:ucm_unloaded_hit_tokens_total by reason.",
            _choice("always", "auto")),
+    Option("on_cache_reset", "new_keys | keep", "new_keys",
+           "What vLLM's reset of the connector's cache does (reset_prefix_cache(reset_connector=True), "
+           "pause_generation, sleep at level 1 or 2: what a weight update goes through). new_keys: from "
+           "then on this engine loads and saves under keys of its own, so KV made by the weights before "
+           "is never loaded, and KV of the new weights never stored where other engines look. keep: go on "
+           "loading what is stored; only for engines whose weights never change in place (sleep mode "
+           "used to share a GPU).",
+           _choice("new_keys", "keep")),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -182,6 +190,7 @@ class UCMConfig:
     load_layerwise: bool = _default("load_layerwise")
     save_layerwise: bool = _default("save_layerwise")
     load_policy: str = _default("load_policy")
+    on_cache_reset: str = _default("on_cache_reset")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "UCMConfig":

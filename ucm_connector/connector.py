@@ -377,6 +377,22 @@ class UCMConnector(KVConnectorBase_V1):
     def take_events(self):
         return self._scheduler.events.take() if self._scheduler is not None else ()
 
+    def reset_cache(self) -> bool:
+        """vLLM resets the connector's cache with its own (``reset_prefix_cache(reset_connector=True)``;
+        ``pause_generation`` and ``sleep`` at level 1 or more do it): the
+        weights may have changed since the store's blocks were made."""
+        if self._scheduler is None:
+            return True
+        if self.config.on_cache_reset == "keep":
+            logger.info("ucm-connector: vLLM reset the connector's cache; keeping the store's blocks in use "
+                        "(on_cache_reset: keep)")
+            return True
+        self._scheduler.new_generation()
+        logger.info("ucm-connector: vLLM reset the connector's cache (as after a weight update): from now on "
+                    "this engine loads and saves blocks under keys of their own, and loads nothing stored "
+                    "before; other engines on the store are not affected")
+        return True
+
     # -- both ----------------------------------------------------------------
 
     @classmethod

@@ -450,16 +450,29 @@ class BlockHasher:
     a streaming hasher per block (``benchmarks/hash_bench.py``).
     """
 
-    def __init__(self, namespace: Namespace):
+    def __init__(self, namespace: Namespace, generation: bytes = b""):
+        if generation and len(generation) != DIGEST_NBYTES:
+            raise ValueError(f"a key generation is {DIGEST_NBYTES} bytes, got {len(generation)}")
         self.namespace = namespace
+        self.generation = bytes(generation)
         self.block_size = namespace.block_size
         self._block_nbytes = 4 * namespace.block_size
         self._suffix = _U16.pack(namespace.tp_rank)
+        # A later generation's roots start with another tag of the same
+        # length, so no root of one generation is hashed from the bytes of
+        # another's.
+        self._root_prefix = (b"ucm-regn" + self.generation if generation else b"ucm-root") \
+            + namespace.tp_group_digest
+
+    def next_generation(self) -> "BlockHasher":
+        """A hasher of the same namespace whose keys share no block with this
+        one's or any other generation's (a random generation): what the
+        engine uses once its weights may have changed."""
+        return BlockHasher(self.namespace, os.urandom(DIGEST_NBYTES))
 
     def root(self, *, lora: str | None = None, cache_salt: str | None = None) -> bytes:
         """The chain's starting digest for a request with these extras."""
-        return _xxh3_128(b"ucm-root" + self.namespace.tp_group_digest
-                         + _enc_opt_str(lora) + _enc_opt_str(cache_salt))
+        return _xxh3_128(self._root_prefix + _enc_opt_str(lora) + _enc_opt_str(cache_salt))
 
     def block_keys(self, token_ids, *, lora: str | None = None, cache_salt: str | None = None,
                    mm_spans: Sequence[MultiModalSpan] = ()) -> list[BlockKey]:

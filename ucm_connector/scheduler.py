@@ -362,3 +362,22 @@ class UCMScheduler:
 
     def request_finished(self, request) -> None:
         self._states.pop(request.request_id, None)
+
+    def new_generation(self) -> None:
+        """vLLM reset the connector's cache (``reset_prefix_cache(reset_connector=True)``,
+        as after a weight update): nothing stored so far may be loaded, and
+        KV made from now on must not be stored where earlier KV was looked
+        for.  Keys from now on are of a new generation.  A request with no
+        KV yet (waiting, or preempted by the reset) is keyed afresh; one
+        that has KV, or is loading it, made it before the reset: it neither
+        loads nor saves any more."""
+        self.hasher = self.hasher.next_generation()
+        for state in self._states.values():
+            request = state.request
+            fresh = (request.num_computed_tokens == 0
+                     and getattr(request.status, "name", None) != "WAITING_FOR_REMOTE_KVS")
+            extras = _request_extras(request, self.adapters) if state.keys is not None and fresh else None
+            state.keys = None if extras is None else self.hasher.request_for(extras)
+            state.num_stored_blocks = state.overwrite_until = 0
+            state.lookup = state.decision = None
+            state.decision_acted = False

@@ -15,7 +15,7 @@ layer, and its "forward pass" is a deterministic integer function that,
 like attention, reads the pages of every earlier position, so KV computed
 on top of a bad page comes out wrong:
 
-    h_0(p)     = token(p) + 1
+    h_0(p)     = token(p) + 1 + W * weights     (weights: 0 unless a test changes them)
     kv_l(p)    = mix(l, h_l(p))                  written into the page of p
     d_l(p)     = digest of kv_l(0..p), read from the pages
     h_l+1(p)   = mix(h_l(p), d_l(p))
@@ -30,6 +30,7 @@ with it, byte for byte, after every step.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -47,6 +48,7 @@ VOCAB = 997
 _MUL_KV = 1_000_003
 _MUL_D = 7_919
 _MUL_H = 104_729
+_MUL_W = 15_485_863     # what a change of the model's weights (``Harness.weights``) adds
 
 
 def _mix_kv(layer: int, h: int) -> int:
@@ -57,10 +59,10 @@ def _mix_h(h: int, d: int) -> int:
     return (h * _MUL_H + d + 1) % MOD
 
 
-def reference_kv(tokens: list[int], num_layers: int) -> list[list[int]]:
-    """kv[l][p] of a sequence computed from scratch: what every page of it
-    must hold."""
-    h = [t + 1 for t in tokens]
+def reference_kv(tokens: list[int], num_layers: int, weights: int = 0) -> list[list[int]]:
+    """kv[l][p] of a sequence computed from scratch by the model with these
+    weights: what every page of it must hold."""
+    h = [t + 1 + weights * _MUL_W for t in tokens]
     kv_layers = []
     for layer in range(num_layers):
         kv = [_mix_kv(layer, x) for x in h]
@@ -73,11 +75,11 @@ def reference_kv(tokens: list[int], num_layers: int) -> list[list[int]]:
     return kv_layers
 
 
-def reference_generate(prompt: list[int], max_tokens: int, num_layers: int) -> list[int]:
+def reference_generate(prompt: list[int], max_tokens: int, num_layers: int, weights: int = 0) -> list[int]:
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
-        h = reference_kv(tokens, num_layers)[-1]
+        h = reference_kv(tokens, num_layers, weights)[-1]
         nxt = h[-1] % VOCAB + 1
         out.append(nxt)
         tokens.append(nxt)
@@ -87,6 +89,9 @@ def reference_generate(prompt: list[int], max_tokens: int, num_layers: int) -> l
 # Every token sequence seen in this process, and the blocks each must have.
 _SEQUENCES: set[tuple[int, ...]] = set()
 _EXPECTED: dict[tuple, dict[bytes, bytes]] = {}
+# Every (generation of keys, weights) a connector of this process has keyed
+# blocks with: a harness starts with the first generation and weights 0.
+_GENERATIONS: list[tuple[bytes, int]] = [(b"", 0)]
 
 
 @dataclass
@@ -123,6 +128,9 @@ class Harness:
     # What the fake forward pass costs: it sleeps this long per token it
     # computes, so that recomputing has a price (load_policy auto).
     seconds_per_token: float = 0.0
+    # The fake model's weights: 0, the weight files', until ``update_weights``
+    # changes them, as a reinforcement-learning step does to a running engine.
+    weights: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         from vllm import SamplingParams  # noqa: F401  (imported early: fails fast without vLLM)
@@ -283,7 +291,7 @@ class Harness:
             start = c - n
             (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             tokens = list(request.all_token_ids)
-            h = [tokens[p] + 1 for p in range(start, start + n)]
+            h = [tokens[p] + 1 + self.weights * _MUL_W for p in range(start, start + n)]
             work.append((req_id, start, n, list(block_ids), tokens, h))
         for layer, name in enumerate(self.layer_names):
             self.worker.wait_for_layer_load(name)
@@ -319,11 +327,29 @@ class Harness:
 
         return namespace_for(self.vllm_config)
 
-    def keys_of(self, tokens: list[int]) -> list[bytes]:
-        """The stored keys of the full blocks of ``tokens`` (TP rank 0)."""
+    def keys_of(self, tokens: list[int], generation: bytes = b"") -> list[bytes]:
+        """The stored keys of the full blocks of ``tokens`` (TP rank 0), in
+        the first generation of keys or in ``generation``."""
         from ucm_connector.hashing import BlockHasher, keys_for_rank
 
-        return keys_for_rank(BlockHasher(self.namespace).request().update(tokens), 0)
+        return keys_for_rank(BlockHasher(self.namespace, generation).request().update(tokens), 0)
+
+    @property
+    def generation(self) -> bytes:
+        """The generation of keys the connector's scheduler uses now."""
+        return self.ucm_scheduler._scheduler.hasher.generation
+
+    def update_weights(self, weights: int, **reset) -> bool:
+        """Change the model's weights the way a reinforcement-learning step
+        does to a running engine: reset vLLM's prefix cache (``reset`` holds
+        ``reset_prefix_cache``'s arguments, e.g. ``reset_connector=True``),
+        then load other weights.  Returns what the reset returned."""
+        before = self.generation
+        done = self.scheduler.reset_prefix_cache(**reset)
+        self.weights = weights
+        if self.generation != before:
+            _GENERATIONS.append((self.generation, weights))
+        return done
 
     def expected_blocks(self) -> dict[bytes, bytes]:
         """key -> the payload its block must hold, for every sequence any
@@ -333,13 +359,13 @@ class Harness:
             _SEQUENCES.add(tuple(prompt + self.outputs[req_id]))
         digest = self.namespace.digest
         expected: dict[bytes, bytes] = {}
-        for tokens in _SEQUENCES:
-            memo_key = (tokens, self.num_layers, self.block_size, self.kv_width, digest)
+        for (generation, weights), tokens in itertools.product(_GENERATIONS, _SEQUENCES):
+            memo_key = (tokens, self.num_layers, self.block_size, self.kv_width, digest, generation, weights)
             blocks = _EXPECTED.get(memo_key)
             if blocks is None:
-                kv = reference_kv(list(tokens), self.num_layers)
+                kv = reference_kv(list(tokens), self.num_layers, weights)
                 blocks = {}
-                for j, key in enumerate(self.keys_of(list(tokens))):
+                for j, key in enumerate(self.keys_of(list(tokens), generation)):
                     lo, hi = j * self.block_size, (j + 1) * self.block_size
                     blocks[key] = b"".join(
                         np.repeat(np.asarray(kv[layer][lo:hi], dtype=np.int64), self.kv_width).tobytes()
