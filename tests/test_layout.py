@@ -120,3 +120,106 @@ def test_ucm_explain_names_a_model_as_the_connector_does_revision_included():
     local = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-llama")
     if os.path.isdir(local):               # a local directory is known by its files alone
         assert model_identity(local, "v2") == model_identity(local) == _fingerprint(local, "v2")
+
+
+# -- settings that change the KV of the same files ---------------------------------
+
+def _model_dir(path, **config) -> str:
+    """A tiny model directory (config.json and one small weights file)."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    base = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 128,
+            "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+            "vocab_size": 1000, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32", "bos_token_id": 1,
+            "eos_token_id": 2, "tie_word_embeddings": False}
+    base.update(config)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(base, f)
+    save_file({"model.embed_tokens.weight": torch.zeros(1000, 128)}, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def _engine_namespace(model: str, **args):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return namespace_for(EngineArgs(model=model, dtype="float32", **args).create_engine_config())
+
+
+LONGROPE = {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [4.0] * 16}}
+
+
+def test_a_longrope_model_is_kept_apart_by_max_model_len(tmp_path):
+    """Phi-3's LongRoPE rotates every position with its long factors when
+    max_model_len passes the original context (4096 here), with its short
+    ones otherwise: the same prompt has other keys' KV at 4096 and 16384."""
+    model = _model_dir(tmp_path / "phi3", **LONGROPE)
+    short, long_ = _engine_namespace(model, max_model_len=4096), _engine_namespace(model, max_model_len=16384)
+    assert short.digest != long_.digest
+    assert dict(short.extra)["max_model_len"] == "4096"
+    plain = _model_dir(tmp_path / "plain")
+    assert _engine_namespace(plain, max_model_len=4096).digest == _engine_namespace(plain, max_model_len=16384).digest
+    assert _engine_namespace(plain, max_model_len=4096).extra == ()
+
+
+def test_dummy_weights_are_kept_apart_from_the_files_weights(tmp_path):
+    model = _model_dir(tmp_path / "m")
+    files, dummy = _engine_namespace(model, max_model_len=1024), _engine_namespace(
+        model, max_model_len=1024, load_format="dummy")
+    assert files.digest != dummy.digest and dict(dummy.extra) == {"load_format": "dummy"}
+    assert _engine_namespace(model, max_model_len=1024, load_format="safetensors").digest == files.digest
+
+
+def test_a_config_read_from_elsewhere_is_in_the_namespace(tmp_path):
+    """--hf-config-path: vLLM runs with that config, not the model's
+    config.json (which alone is in the fingerprint)."""
+    import shutil
+
+    model = _model_dir(tmp_path / "m")
+    other = tmp_path / "other-config"
+    other.mkdir()
+    _model_dir(tmp_path / "tmp", rope_theta=500000.0)
+    shutil.copy(tmp_path / "tmp" / "config.json", other / "config.json")
+    same = tmp_path / "same-config"
+    same.mkdir()
+    shutil.copy(tmp_path / "m" / "config.json", same / "config.json")
+    own = _engine_namespace(model, max_model_len=1024)
+    theta = _engine_namespace(model, max_model_len=1024, hf_config_path=str(other))
+    alike = _engine_namespace(model, max_model_len=1024, hf_config_path=str(same))
+    assert theta.digest != own.digest and alike.digest != theta.digest
+    assert dict(theta.extra)["hf_config"] != dict(alike.extra)["hf_config"]
+
+
+def test_two_override_functions_that_do_different_things_are_told_apart(tmp_path):
+    model = _model_dir(tmp_path / "m")
+
+    def make(theta):
+        def override(config):
+            config.rope_theta = theta
+            return config
+        return override
+
+    a = _engine_namespace(model, max_model_len=1024, hf_overrides=make(1e5))
+    b = _engine_namespace(model, max_model_len=1024, hf_overrides=make(1e6))
+    again = _engine_namespace(model, max_model_len=1024, hf_overrides=make(1e5))
+    assert a.digest != b.digest and a.digest == again.digest
+
+
+def test_mistral_params_are_in_the_fingerprint(tmp_path):
+    import json
+
+    from ucm_connector.hashing import model_fingerprint
+
+    model = _model_dir(tmp_path / "m")
+    before = model_fingerprint(model)
+    with open(tmp_path / "m" / "params.json", "w") as f:
+        json.dump({"dim": 128, "rope_theta": 1e6}, f)
+    with_params = model_fingerprint(model)
+    with open(tmp_path / "m" / "params.json", "w") as f:
+        json.dump({"dim": 128, "rope_theta": 1e7}, f)
+    assert len({before, with_params, model_fingerprint(model)}) == 3

@@ -141,6 +141,25 @@ def _prefix_reusable(model_config) -> bool:
     return False
 
 
+def mm_named_by_content(vllm_config) -> bool:
+    """Whether vLLM names each multimodal input by a hash of its content.
+    With both of its caches off (``--mm-processor-cache-gb 0`` and no prefix
+    caching) it names inputs without a client-given UUID by a per-process
+    counter ("renderer0-mm-7-image-0"), which another engine, or this one
+    restarted, gives to another image: such requests must not share KV."""
+    mm_config = getattr(vllm_config.model_config, "multimodal_config", None)
+    if mm_config is None or getattr(mm_config, "mm_processor_cache_gb", None) != 0 \
+            or vllm_config.cache_config.enable_prefix_caching:
+        return True
+    if "mm-counter" not in _logged:
+        _logged.add("mm-counter")
+        logger.warning("ucm-connector: with --mm-processor-cache-gb 0 and prefix caching off, vLLM names images "
+                       "and other multimodal inputs by a counter, not by their content; requests with such inputs "
+                       "run without the external cache (text-only requests are not affected). Give "
+                       "--mm-processor-cache-gb above 0, or enable prefix caching, to share them")
+    return False
+
+
 def _refuse_unsupported_parallelism(parallel_config) -> None:
     """Pipeline stages hold other layers under the same keys, and context
     parallelism splits a block's tokens across ranks: block keys and
@@ -237,7 +256,8 @@ class UCMConnector(KVConnectorBase_V1):
                                     tp_size=namespace.tp_size, block_size=namespace.block_size),
                 adapters=AdapterIdentities(lora_engine_settings(vllm_config)),
                 policy=LoadPolicy(tier_names=[t.url for t in tiers_of(self.store)],
-                                  block_size=namespace.block_size) if auto else None)
+                                  block_size=namespace.block_size) if auto else None,
+                mm_by_content=mm_named_by_content(vllm_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

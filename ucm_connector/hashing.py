@@ -134,7 +134,8 @@ def model_fingerprint(model_path: str | os.PathLike) -> str:
 
     ``config.json`` is included (it decides RoPE, attention and so the KV),
     parsed and re-encoded with sorted keys, without keys that record the
-    save path or tool version (``_name_or_path`` and the like).
+    save path or tool version (``_name_or_path`` and the like); so is
+    ``params.json``, Mistral's format of the same, where there is one.
     """
     path = os.fspath(model_path)
     if os.path.isfile(path):
@@ -161,6 +162,10 @@ def model_fingerprint(model_path: str | os.PathLike) -> str:
         hasher.update(b"config" + _enc_str(_canonical_config(config_path)))
     else:
         hasher.update(b"no-config")
+    # Mistral's own format: vLLM may read the model's settings from here.
+    params_path = os.path.join(root, "params.json") if config_path is not None else None
+    if params_path is not None and os.path.isfile(params_path):
+        hasher.update(b"params" + _enc_str(_canonical_config(params_path)))
     for file_path in weight_files:
         hasher.update(_enc_str(os.path.relpath(file_path, root).replace(os.sep, "/")))
         _hash_weight_file(hasher, file_path)

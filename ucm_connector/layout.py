@@ -24,22 +24,92 @@ def _fingerprint(model: str, revision: str | None = None) -> str:
     return name_fingerprint(model, revision)
 
 
+#: RoPE types whose rotation depends on the engine's ``max_model_len``:
+#: LongRoPE takes its long or short factors for every position by it, and
+#: dynamic NTK its base from the largest position a model gives it (some cap
+#: that at ``max_model_len``).
+_LENGTH_DEPENDENT_ROPE = frozenset({"longrope", "su", "dynamic"})
+
+
+def _rope_types(hf_config) -> set[str]:
+    """Every RoPE type the model's text config names (``rope_parameters``
+    may hold one per kind of layer)."""
+    found: set[str] = set()
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            kind = value.get("rope_type") or value.get("type")
+            if isinstance(kind, str):
+                found.add(kind)
+            for inner in value.values():
+                walk(inner)
+
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    for name in ("rope_parameters", "rope_scaling"):
+        walk(getattr(text, name, None))
+    return found
+
+
+def config_digest(hf_config) -> str:
+    """A digest of the model config vLLM runs with (after its overrides),
+    without the fields that only say where it came from."""
+    import hashlib
+
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()
+                    if k not in ("_name_or_path", "name_or_path", "_commit_hash", "transformers_version")}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    text = json.dumps(clean(hf_config.to_dict()), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _llama4_temperature_tuning(model_config) -> bool | None:
+    """Llama 4 scales its queries by position when this is on, by default
+    when ``max_model_len`` is over 32k (vLLM's ``Llama4ForCausalLM``)."""
+    if not any("Llama4" in str(a) for a in getattr(model_config, "architectures", None) or ()):
+        return None
+    settings = dict(model_config.try_get_generation_config() or {})
+    settings.update(getattr(model_config, "override_generation_config", None) or {})
+    return bool(settings.get("attn_temperature_tuning", model_config.max_model_len > 32768))
+
+
 def engine_settings(model_config) -> tuple[tuple[str, str], ...]:
     """What changes the KV of a model beyond its files (its weights and
     ``config.json`` are in the fingerprint), as namespace extras; none at
     the defaults, so that such engines keep their namespace: a quantization
     vLLM applies at load time (``--quantization``, which for a
-    pre-quantized checkpoint also names the kernels vLLM chose) and
-    ``--hf-overrides`` (RoPE, layers and the like)."""
+    pre-quantized checkpoint also names the kernels vLLM chose),
+    ``--hf-overrides`` (RoPE, layers and the like), a config read from
+    elsewhere than ``config.json`` (``--hf-config-path``, ``--config-format``),
+    ``max_model_len`` where the RoPE depends on it, and Llama 4's
+    attention temperature tuning."""
     out = []
     quantization = getattr(model_config, "quantization", None)
     if quantization:
         out.append(("quantization", str(quantization)))
     overrides = getattr(model_config, "hf_overrides", None)
     if callable(overrides):
-        out.append(("hf_overrides", f"{overrides.__module__}.{overrides.__qualname__}"))
+        # What the function did, not its name: two lambdas share a name.
+        hf_config = getattr(model_config, "hf_config", None)
+        out.append(("hf_overrides", "callable:" + (config_digest(hf_config) if hf_config is not None else
+                                                   f"{overrides.__module__}.{overrides.__qualname__}")))
     elif overrides:
         out.append(("hf_overrides", json.dumps(overrides, sort_keys=True, separators=(",", ":"), default=str)))
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
+        return tuple(out)
+    config_format = str(getattr(model_config, "config_format", "auto") or "auto").split(".")[-1].lower()
+    if getattr(model_config, "hf_config_path", None) or config_format not in ("auto", "hf"):
+        out.append(("hf_config", config_digest(hf_config)))
+    if _rope_types(hf_config) & _LENGTH_DEPENDENT_ROPE:
+        out.append(("max_model_len", str(model_config.max_model_len)))
+    tuning = _llama4_temperature_tuning(model_config)
+    if tuning is not None:
+        out.append(("attn_temperature_tuning", str(tuning)))
     return tuple(out)
 
 
@@ -132,7 +202,22 @@ def drafter(vllm_config) -> str:
     if spec is None or method is None or method in _DRAFTERS_WITHOUT_KV:
         return ""
     draft = getattr(getattr(spec, "draft_model_config", None), "model", None)
-    return f"/draft={method}:{_fingerprint(str(draft)) if draft else '-'}"
+    revision = getattr(getattr(spec, "draft_model_config", None), "revision", None)
+    return f"/draft={method}:{_fingerprint(str(draft), revision) if draft else '-'}"
+
+
+#: Load formats that read the weights in the model's own files (the fingerprint).
+_FILE_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors", "mistral",
+                                "gguf", "bitsandbytes", "runai_streamer", "instanttensor"})
+
+
+def load_settings(vllm_config) -> tuple[tuple[str, str], ...]:
+    """A load format that does not take the weights from the model's files
+    (``dummy``: random weights; a tensorizer or sharded-state file) keeps
+    its engine apart from those that do."""
+    load_format = getattr(getattr(vllm_config, "load_config", None), "load_format", None) or "auto"
+    name = str(getattr(load_format, "value", load_format)).lower()
+    return () if name in _FILE_LOAD_FORMATS else (("load_format", name),)
 
 
 def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None) -> Namespace:
@@ -143,7 +228,7 @@ def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None) -> 
     vLLM's own prefix cache."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
-    extra = engine_settings(model_config)
+    extra = engine_settings(model_config) + load_settings(vllm_config)
     if sparse:
         extra += (("sparse", json.dumps(dict(sparse), sort_keys=True, separators=(",", ":"))),)
     return Namespace(

@@ -72,9 +72,11 @@ def _num_mm(request) -> int:
     return len(getattr(request, "mm_features", None) or ())
 
 
-def _request_extras(request, adapters: AdapterIdentities) -> KeyExtras | None:
+def _request_extras(request, adapters: AdapterIdentities, mm_by_content: bool = True) -> KeyExtras | None:
     """What besides its tokens enters a request's keys; ``None`` when the
-    request must not share KV (its LoRA adapter cannot be identified)."""
+    request must not share KV: its LoRA adapter cannot be identified, or a
+    multimodal input of it cannot (it has no identifier or place, or the
+    engine names inputs by a per-process counter: ``mm_by_content`` False)."""
     lora = getattr(request, "lora_request", None)
     lora_identity = None
     if lora is not None:
@@ -83,11 +85,15 @@ def _request_extras(request, adapters: AdapterIdentities) -> KeyExtras | None:
         if lora_identity is None:
             return None
     spans = []
-    for feature in getattr(request, "mm_features", None) or []:
+    features = getattr(request, "mm_features", None) or []
+    if features and not mm_by_content:
+        return None
+    for feature in features:
         position = getattr(feature, "mm_position", None)
         identifier = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
-        if position is not None and identifier is not None:
-            spans.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
+        if position is None or identifier is None:
+            return None         # keyed without it, another input's KV would match
+        spans.append(MultiModalSpan(str(identifier), int(position.offset), int(position.length)))
     return KeyExtras(lora=lora_identity, cache_salt=getattr(request, "cache_salt", None), mm_spans=tuple(spans))
 
 
@@ -100,7 +106,8 @@ class UCMScheduler:
     def __init__(self, *, store: KVStore, hasher: BlockHasher, block_size: int, tp_size: int,
                  load: bool, save: bool, min_hit_blocks: int, stats: StatsCollector,
                  load_async: bool = False, events: EventTracker | None = None,
-                 adapters: AdapterIdentities | None = None, policy: LoadPolicy | None = None) -> None:
+                 adapters: AdapterIdentities | None = None, policy: LoadPolicy | None = None,
+                 mm_by_content: bool = True) -> None:
         self.store = store
         self.hasher = hasher
         self.block_size = block_size
@@ -113,6 +120,8 @@ class UCMScheduler:
         self.events = events or EventTracker(enabled=False, tp_size=tp_size, block_size=block_size)
         self.adapters = adapters or AdapterIdentities()
         self.policy = policy
+        # False where vLLM names multimodal inputs by a counter, not by content.
+        self.mm_by_content = mm_by_content
         self._tiers = tiers_of(store)
         self._probes: list[BlockProbe] = []
         self._states: dict[str, _RequestState] = {}
@@ -127,12 +136,15 @@ class UCMScheduler:
         if state is None:
             keys = None
             if getattr(request, "prompt_embeds", None) is None:
-                extras = _request_extras(request, self.adapters)
+                extras = self._extras(request)
                 if extras is not None:
                     keys = self.hasher.request_for(extras)
             state = _RequestState(request=request, keys=keys, num_mm=_num_mm(request))
             self._states[request.request_id] = state
         return state
+
+    def _extras(self, request) -> KeyExtras | None:
+        return _request_extras(request, self.adapters, self.mm_by_content)
 
     def _keys(self, state: _RequestState) -> list[bytes]:
         """Keys of every full block of the request's tokens so far."""
@@ -148,7 +160,7 @@ class UCMScheduler:
         # rewritten on resume), or inputs were added to it (a streaming
         # session's next turn, whose images enter the keys): start its
         # chain again.
-        extras = _request_extras(state.request, self.adapters)
+        extras = self._extras(state.request)
         state.keys = None if extras is None else self.hasher.request_for(extras)
         state.num_mm = _num_mm(state.request)
         state.num_stored_blocks = 0
@@ -376,7 +388,7 @@ class UCMScheduler:
             request = state.request
             fresh = (request.num_computed_tokens == 0
                      and getattr(request.status, "name", None) != "WAITING_FOR_REMOTE_KVS")
-            extras = _request_extras(request, self.adapters) if state.keys is not None and fresh else None
+            extras = self._extras(request) if state.keys is not None and fresh else None
             state.keys = None if extras is None else self.hasher.request_for(extras)
             state.num_stored_blocks = state.overwrite_until = 0
             state.lookup = state.decision = None
