@@ -86,7 +86,7 @@ def test_with_full_cuda_graphs_layerwise_loads_load_before_the_step_and_sparse_r
     from vllm.platforms import current_platform
 
     from ucm_connector.config import LoadMode, UCMConfig
-    from ucm_connector.connector import worker_load_mode
+    from ucm_connector.connector import engine_load_mode
     from ucm_connector.plugin import _refuse_full_cuda_graphs
 
     def engine(mode):
@@ -94,21 +94,21 @@ def test_with_full_cuda_graphs_layerwise_loads_load_before_the_step_and_sparse_r
 
     layerwise = UCMConfig.from_extra_config({"load_layerwise": True})
     full = engine(CUDAGraphMode.FULL_AND_PIECEWISE)
-    assert worker_load_mode(layerwise, full) is LoadMode.LAYER          # this CPU
+    assert engine_load_mode(layerwise, full) is LoadMode.LAYER          # this CPU
     _refuse_full_cuda_graphs(full)
 
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
         caplog.clear()
-        assert worker_load_mode(layerwise, engine(mode)) is LoadMode.SYNC
+        assert engine_load_mode(layerwise, engine(mode)) is LoadMode.SYNC
         assert f"cudagraph_mode {mode.name}" in caplog.text and '"cudagraph_mode": "PIECEWISE"' in caplog.text
         with pytest.raises(RuntimeError, match="outside CUDA graphs"):
             _refuse_full_cuda_graphs(engine(mode))
     for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
-        assert worker_load_mode(layerwise, engine(mode)) is LoadMode.LAYER
+        assert engine_load_mode(layerwise, engine(mode)) is LoadMode.LAYER
         _refuse_full_cuda_graphs(engine(mode))
-    assert worker_load_mode(UCMConfig.from_extra_config({"load_kv_async": True}), full) is LoadMode.ASYNC
-    assert worker_load_mode(UCMConfig.from_extra_config({}), full) is LoadMode.SYNC
+    assert engine_load_mode(UCMConfig.from_extra_config({"load_kv_async": True}), full) is LoadMode.ASYNC
+    assert engine_load_mode(UCMConfig.from_extra_config({}), full) is LoadMode.SYNC
 
 
 def test_pipeline_and_context_parallelism_are_refused_at_start_up(tmp_path):

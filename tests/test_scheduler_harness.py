@@ -461,3 +461,51 @@ def test_a_request_that_holds_kv_at_the_reset_saves_no_more(disk_url, harnesses)
     h.run()
     assert req in h.finished
     assert set(h.stored_blocks()) == before
+
+
+# -- vLLM's async scheduling (its default on GPUs) ---------------------------------
+# Step N+1 is scheduled and run before step N's output, and with it a failed
+# load, reaches the scheduler.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_under_async_scheduling_hits_give_the_reference(disk_url, mode, harnesses):
+    tokens = prompt(10 * BS + 5, seed=5)
+    run_one(harnesses(store=disk_url, async_scheduling=True), tokens, 6)
+    second = harnesses(store=disk_url, load_mode=mode, async_scheduling=True)
+    run_one(second, tokens, 6)
+    assert second.counters()["loaded_blocks"] == 10
+    scheduler_is_empty(second)
+
+
+@pytest.mark.parametrize("how", ["corrupt", "missing"])
+@pytest.mark.parametrize("mode", MODES)
+def test_under_async_scheduling_a_failed_load_never_reaches_a_token(store_url, mode, how, harnesses):
+    """A step after the one that loads is already on its way when the load
+    fails: it must not have read the failed block (vLLM delivers its token
+    even though it rewinds the request).  Loads are asynchronous there,
+    whatever the configured way: the request waits until its blocks are
+    checked, and vLLM recomputes the failed one."""
+    h, asked, _ = _poison_setup(store_url, mode, harnesses, how, async_scheduling=True)
+    run_one(h, asked, 6)                   # check_store runs after every step
+    assert h.counters()["load_errors"] >= 1
+    assert any(s.invalid_block_ids for s in h.steps), "the failed block was not reported"
+    assert all(k in h.stored_blocks() for k in h.keys_of(asked))
+
+
+def test_under_async_scheduling_a_request_sharing_a_failed_block_stores_no_wrong_kv(disk_url, harnesses):
+    """R loads 10 blocks, block 2 fails; S, the same 10 blocks and more, is
+    scheduled before R's failure is known.  S must not read R's failed
+    page (vLLM would not rewind S: R recomputes the block), or its tokens,
+    and the blocks it saves later, carry the wrong KV."""
+    tokens = prompt(10 * BS + 5, seed=5)
+    run_one(harnesses(store=disk_url), tokens)
+    h = harnesses(store=disk_url, async_scheduling=True)
+    h.damage(h.keys_of(tokens)[2])
+    r = h.add(tokens, 4)
+    h.step()
+    s_tokens = tokens[:10 * BS] + prompt(10, seed=9)
+    s = h.add(s_tokens, 30)
+    h.run()                                # check_store runs after every step
+    assert h.outputs[r] == reference_generate(tokens, 4, h.num_layers)
+    assert h.outputs[s] == reference_generate(s_tokens, 30, h.num_layers)

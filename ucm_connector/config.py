@@ -138,11 +138,13 @@ OPTIONS: tuple[Option, ...] = (
            _positive_int),
     Option("load_kv_async", "bool", False,
            "Load hits on a background thread: the request waits while other requests run, "
-           "instead of the step waiting for the load.",
+           "instead of the step waiting for the load. Always so under vLLM's async scheduling (its default "
+           "on GPUs), where a step runs before a failed load of the step before is known.",
            _bool),
     Option("load_layerwise", "bool", False,
            "Load hits layer by layer while the forward pass runs: layer i's attention waits "
-           "only for layer i's pages. Not together with load_kv_async. On CUDA it needs piecewise CUDA "
+           "only for layer i's pages. Not together with load_kv_async, and not under async scheduling "
+           "(loads are then asynchronous, with a warning). On CUDA it needs piecewise CUDA "
            "graphs (vLLM 0.33 and later switch to them by themselves); an engine that replays full ones "
            "loads before the step instead, with a warning.",
            _bool),

@@ -174,15 +174,36 @@ def _refuse_unsupported_parallelism(parallel_config) -> None:
             "tensor-parallel rank only); run with tensor parallelism alone, or without the connector")
 
 
-def worker_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
-    """The configured way of loading, unless the engine replays full CUDA
-    graphs: those replays skip ``wait_for_layer_load``, so attention would
-    read pages a layer-by-layer load has not written yet.  Such an engine
-    (a vLLM that does not ask ``requires_piecewise_for_cudagraph``, or a
-    mode set after it asked) loads before the step instead."""
+def async_scheduling(vllm_config) -> bool:
+    """Whether vLLM schedules a step before the previous one's output is in
+    (``--async-scheduling``, its default on GPUs; off on CPUs)."""
+    return bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+
+
+def engine_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
+    """How this engine loads hits, in both roles: the configured way, except
+
+    * under async scheduling, asynchronously: the next step is scheduled,
+      and run, before a load's failure reaches vLLM's scheduler, which then
+      rewinds the request but still delivers the token that step computed
+      on the failed block (and lets another request read that block).  A
+      request whose load runs on the loader thread is not scheduled until
+      its blocks are checked;
+    * with full CUDA graphs, before the step: their replays skip
+      ``wait_for_layer_load``, so attention would read pages a
+      layer-by-layer load has not written yet (a vLLM that does not ask
+      ``requires_piecewise_for_cudagraph``, or a mode set after it asked)."""
     from .plugin import full_cuda_graphs
 
     mode = config.load_mode
+    if mode is not LoadMode.ASYNC and async_scheduling(vllm_config):
+        if "async-scheduling" not in _logged:
+            _logged.add("async-scheduling")
+            (logger.warning if mode is LoadMode.LAYER else logger.info)(
+                "ucm-connector: vLLM schedules asynchronously, so a step can run before a failed load is known; "
+                "loading hits on the loader thread (load_kv_async), where a request waits until its blocks are "
+                "checked%s", ", not layer by layer" if mode is LoadMode.LAYER else "")
+        return LoadMode.ASYNC
     if mode is LoadMode.LAYER and full_cuda_graphs(vllm_config):
         logger.warning(
             "ucm-connector: load_layerwise needs attention to run outside CUDA graphs, and this engine replays "
@@ -251,7 +272,7 @@ class UCMConnector(KVConnectorBase_V1):
                 store=self.store, hasher=BlockHasher(namespace), block_size=namespace.block_size,
                 tp_size=namespace.tp_size, load=self._load_enabled, save=self._save_enabled,
                 min_hit_blocks=self.config.min_hit_blocks, stats=self.stats,
-                load_async=self.config.load_mode is LoadMode.ASYNC,
+                load_async=engine_load_mode(self.config, vllm_config) is LoadMode.ASYNC,
                 events=EventTracker(enabled=with_events and self._save_enabled,
                                     tp_size=namespace.tp_size, block_size=namespace.block_size),
                 adapters=AdapterIdentities(lora_engine_settings(vllm_config)),
@@ -286,7 +307,7 @@ class UCMConnector(KVConnectorBase_V1):
                 num_blocks=num_blocks, max_pending_nbytes=self.config.max_pending_save_mib << 20,
                 stats=self.stats,
                 blocks_per_request=vllm_config.model_config.max_model_len // namespace.block_size,
-                load_mode=worker_load_mode(self.config, vllm_config), events=OutcomeLog(enabled=with_events),
+                load_mode=engine_load_mode(self.config, vllm_config), events=OutcomeLog(enabled=with_events),
                 share_failures=_tp_union if namespace.tp_size > 1 else None,
                 observer=LoadObserver() if auto else None,
                 save_layerwise=self.config.save_layerwise and self._save_enabled,

@@ -30,6 +30,7 @@ with it, byte for byte, after every step.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import time
@@ -131,6 +132,9 @@ class Harness:
     # The fake model's weights: 0, the weight files', until ``update_weights``
     # changes them, as a reinforcement-learning step does to a running engine.
     weights: int = field(default=0, init=False)
+    # vLLM's async scheduling (its default on GPUs): a step is scheduled and
+    # run before the previous step's output reaches the scheduler.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         from vllm import SamplingParams  # noqa: F401  (imported early: fails fast without vLLM)
@@ -171,7 +175,12 @@ class Harness:
             kv_cache_groups=[KVCacheGroupSpec(self.layer_names, FullAttentionSpec(
                 block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
         self.vllm_config.cache_config.num_gpu_blocks = self.num_blocks
-        self.scheduler = Scheduler(
+        if self.async_scheduling:
+            # vLLM turns it off on CPUs; the connector reads it from the config.
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+            self.vllm_config.scheduler_config.async_scheduling = True
+        self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=self.block_size, log_stats=True)
@@ -195,6 +204,8 @@ class Harness:
         self.damaged: set[bytes] = set()          # keys the test broke on purpose
         self.steps: list[Step] = []
         self._pending_finished: set[str] = set()
+        self._in_flight: collections.deque = collections.deque()
+        self._worker_tokens: dict[str, list[int]] = {}
         self._store = self.ucm_worker.store
 
     # -- requests --------------------------------------------------------------
@@ -222,10 +233,25 @@ class Harness:
 
     # -- one step --------------------------------------------------------------
 
-    def step(self) -> Step:
+    def step(self) -> Step | None:
+        """Schedule and run one step; with ``async_scheduling``, as vLLM's
+        engine core does with its batch queue of two: step N+1 is scheduled
+        and run before step N's output reaches the scheduler.  Returns the
+        step whose output the scheduler took in (None if it took none)."""
+        if not self.async_scheduling:
+            out = self.scheduler.schedule()
+            return self._finish(out, *self._execute(out))
+        if self.scheduler.has_requests():
+            out = self.scheduler.schedule()
+            self._in_flight.append((out, *self._execute(out)))
+            if len(self._in_flight) < 2 and out.total_num_scheduled_tokens > 0:
+                return None
+        return self._finish(*self._in_flight.popleft()) if self._in_flight else None
+
+    def _execute(self, out):
+        """The worker's side of a step, in the order vLLM's model runner calls it."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        out = self.scheduler.schedule()
         if self.before_load is not None:
             self.before_load(self, out)
         meta = out.kv_connector_metadata
@@ -253,6 +279,10 @@ class Harness:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in req_ids], logprobs=None,
             prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_output)
+        return runner_output, meta, invalid, results
+
+    def _finish(self, out, runner_output, meta, invalid, results) -> Step:
+        """The scheduler takes in a step's output."""
         engine_outputs = self.scheduler.update_from_output(out, runner_output)
         for outputs in engine_outputs.values():
             for o in outputs.outputs:
@@ -274,8 +304,7 @@ class Harness:
     def run(self, max_steps: int = 200) -> None:
         """Step until no request is left."""
         for _ in range(max_steps):
-            if not self.scheduler.has_requests() if hasattr(self.scheduler, "has_requests") \
-                    else not self.scheduler.get_num_unfinished_requests():
+            if not self.scheduler.has_requests() and not self._in_flight:
                 return
             self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
@@ -284,13 +313,19 @@ class Harness:
         """The fake model: write each scheduled token's KV, layer by layer,
         reading every earlier position from the pages.  Returns the sampled
         token of each request that reached the end of its tokens."""
+        if self.async_scheduling:
+            # The worker runs on the tokens it sampled itself, before the
+            # scheduler has seen them (vLLM's async scheduling).
+            resumed = getattr(out.scheduled_cached_reqs, "resumed_req_ids", set()) or set()
+            for req_id in [new.req_id for new in out.scheduled_new_reqs] + list(resumed):
+                self._worker_tokens[req_id] = list(self.scheduler.requests[req_id].all_token_ids)
         work = []
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             c = request.num_computed_tokens       # already advanced by schedule()
             start = c - n
             (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            tokens = list(request.all_token_ids)
+            tokens = self._worker_tokens[req_id] if self.async_scheduling else list(request.all_token_ids)
             h = [tokens[p] + 1 + self.weights * _MUL_W for p in range(start, start + n)]
             work.append((req_id, start, n, list(block_ids), tokens, h))
         for layer, name in enumerate(self.layer_names):
@@ -317,6 +352,9 @@ class Harness:
         for req_id, start, n, block_ids, tokens, h in work:
             if start + n >= len(tokens):
                 sampled[req_id] = [h[-1] % VOCAB + 1]
+                if self.async_scheduling:
+                    del tokens[start + n:]          # a rewound request samples again
+                    tokens.append(sampled[req_id][0])
         return sampled
 
     # -- the store ---------------------------------------------------------------
