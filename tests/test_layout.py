@@ -175,6 +175,17 @@ def test_dummy_weights_are_kept_apart_from_the_files_weights(tmp_path):
     assert _engine_namespace(model, max_model_len=1024, load_format="safetensors").digest == files.digest
 
 
+def test_the_layers_left_unquantized_are_in_the_namespace(on_a_gpu):
+    def digest(skipped):
+        config = _gpu_config("LBNHC")
+        config.cache_config.kv_cache_dtype_skip_layers = skipped
+        return namespace_for(config).digest
+
+    assert digest([]) == namespace_for(_gpu_config("LBNHC")).digest
+    assert len({digest([]), digest(["0"]), digest(["1"]), digest(["sliding_window"])}) == 4
+    assert digest(["0", "2"]) == digest(["2", "0"])
+
+
 def test_a_config_read_from_elsewhere_is_in_the_namespace(tmp_path):
     """--hf-config-path: vLLM runs with that config, not the model's
     config.json (which alone is in the fingerprint)."""

@@ -214,10 +214,17 @@ _FILE_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsaf
 def load_settings(vllm_config) -> tuple[tuple[str, str], ...]:
     """A load format that does not take the weights from the model's files
     (``dummy``: random weights; a tensorizer or sharded-state file) keeps
-    its engine apart from those that do."""
+    its engine apart from those that do; so do the layers
+    ``--kv-cache-dtype-skip-layers`` leaves unquantized."""
     load_format = getattr(getattr(vllm_config, "load_config", None), "load_format", None) or "auto"
     name = str(getattr(load_format, "value", load_format)).lower()
-    return () if name in _FILE_LOAD_FORMATS else (("load_format", name),)
+    out = () if name in _FILE_LOAD_FORMATS else (("load_format", name),)
+    # Layers whose KV stays unquantized under --kv-cache-dtype: which ones
+    # decides what each layer's part of a block holds.
+    skipped = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_dtype_skip_layers", None)
+    if skipped:
+        out += (("kv_cache_dtype_skip_layers", ",".join(sorted(map(str, skipped)))),)
+    return out
 
 
 def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None) -> Namespace:
