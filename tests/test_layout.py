@@ -234,3 +234,28 @@ def test_mistral_params_are_in_the_fingerprint(tmp_path):
     with open(tmp_path / "m" / "params.json", "w") as f:
         json.dump({"dim": 128, "rope_theta": 1e7}, f)
     assert len({before, with_params, model_fingerprint(model)}) == 3
+
+
+def test_a_hub_name_is_known_by_the_commit_of_its_cached_snapshot(tmp_path, monkeypatch):
+    """One name, two snapshots (a model republished, or two hosts' caches):
+    two models.  With nothing cached the name and revision are all there is."""
+    from huggingface_hub import constants
+
+    from ucm_connector.hashing import name_fingerprint
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    uncached = name_fingerprint("org/model")
+    repo = tmp_path / "models--org--model"
+
+    def snapshot(commit):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+
+    snapshot("a" * 40)
+    first = name_fingerprint("org/model")
+    assert first == name_fingerprint("org/model", "a" * 40) != uncached
+    snapshot("b" * 40)
+    assert name_fingerprint("org/model") == name_fingerprint("org/model", "main") != first
+    assert name_fingerprint("org/model", "a" * 40) == first

@@ -111,10 +111,28 @@ _CONFIG_KEYS_IGNORED = ("transformers_version",)
 
 
 def name_fingerprint(model: str, revision: str | None = None) -> str:
-    """The fingerprint of a hub model name with no local files: the name,
-    and the revision asked for, are all there is to go on."""
+    """The fingerprint of a hub model name with no local path: the name and
+    the commit its files in the Hugging Face cache came from (the revision
+    asked for, or ``main``, resolved there), so that a model republished
+    under its name, or another snapshot on another host, is another model;
+    the revision asked for where nothing is cached."""
+    commit = _cached_commit(model, revision)
+    if commit is not None:
+        revision = commit
     name = model if revision is None else f"{model}@{revision}"
     return "name:" + xxhash.xxh3_128_hexdigest(name.encode())
+
+
+def _cached_commit(model: str, revision: str | None) -> str | None:
+    """The commit of the Hugging Face cache's snapshot of ``model`` at
+    ``revision`` (vLLM fetches ``config.json`` before it builds an engine)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(model, "config.json", revision=revision)
+    except Exception:       # no huggingface_hub, or not a repository name
+        return None
+    return os.path.basename(os.path.dirname(path)) if isinstance(path, str) else None
 
 
 def model_fingerprint(model_path: str | os.PathLike) -> str:
