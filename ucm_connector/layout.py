@@ -61,6 +61,8 @@ def config_digest(hf_config) -> str:
                     if k not in ("_name_or_path", "name_or_path", "_commit_hash", "transformers_version")}
         if isinstance(value, (list, tuple)):
             return [clean(v) for v in value]
+        if isinstance(value, (set, frozenset)):     # in an order every process agrees on
+            return sorted(map(str, value))
         return value
 
     text = json.dumps(clean(hf_config.to_dict()), sort_keys=True, separators=(",", ":"), default=str)
@@ -88,18 +90,17 @@ def engine_settings(model_config) -> tuple[tuple[str, str], ...]:
     ``max_model_len`` where the RoPE depends on it, and Llama 4's
     attention temperature tuning."""
     out = []
+    hf_config = getattr(model_config, "hf_config", None)
     quantization = getattr(model_config, "quantization", None)
     if quantization:
         out.append(("quantization", str(quantization)))
     overrides = getattr(model_config, "hf_overrides", None)
     if callable(overrides):
         # What the function did, not its name: two lambdas share a name.
-        hf_config = getattr(model_config, "hf_config", None)
         out.append(("hf_overrides", "callable:" + (config_digest(hf_config) if hf_config is not None else
                                                    f"{overrides.__module__}.{overrides.__qualname__}")))
     elif overrides:
         out.append(("hf_overrides", json.dumps(overrides, sort_keys=True, separators=(",", ":"), default=str)))
-    hf_config = getattr(model_config, "hf_config", None)
     if hf_config is None:
         return tuple(out)
     config_format = str(getattr(model_config, "config_format", "auto") or "auto").split(".")[-1].lower()
