@@ -171,3 +171,26 @@ def test_applying_the_same_sparse_option_again_tells_the_kept_method_of_the_engi
         assert apply_sparse(option, plain) is method and method._query_tokens == 1
     finally:
         patches.revert()
+
+
+def test_save_layerwise_is_off_with_microbatches(caplog):
+    """Under --enable-dbo (or ubatch_size above 1) each microbatch reports a
+    layer when its own attention is done: a layer's gather at the first
+    report would copy pages the other microbatch has not written yet."""
+    from types import SimpleNamespace
+
+    from ucm_connector.config import UCMConfig
+    from ucm_connector import connector
+    from ucm_connector.connector import layerwise_saves
+
+    connector._logged.discard("dbo")        # said once per process
+    asked = UCMConfig.from_extra_config({"save_layerwise": True})
+
+    def engine(dbo=False, ubatch_size=1):
+        return SimpleNamespace(parallel_config=SimpleNamespace(enable_dbo=dbo, ubatch_size=ubatch_size))
+
+    assert layerwise_saves(asked, engine()) is True
+    assert layerwise_saves(UCMConfig.from_extra_config({}), engine(dbo=True)) is False
+    assert layerwise_saves(asked, engine(dbo=True)) is False
+    assert "save_layerwise does not work with microbatches" in caplog.text
+    assert layerwise_saves(asked, engine(ubatch_size=2)) is False

@@ -151,7 +151,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("save_layerwise", "bool", False,
            "Gather each layer's new blocks for saving as soon as that layer's attention is done, so that "
            "the copies overlap the rest of the forward pass (on CUDA only in steps that save at least "
-           "16 MiB); without it the blocks are gathered once the forward pass is done.",
+           "16 MiB); without it the blocks are gathered once the forward pass is done. Off, with a warning, "
+           "in an engine that runs microbatches (--enable-dbo).",
            _bool),
     Option("load_policy", "always | auto", "auto",
            "Which stored hits to load: every one (always), or (auto) only as much of each as loads "

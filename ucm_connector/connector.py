@@ -214,6 +214,25 @@ def engine_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
     return mode
 
 
+def layerwise_saves(config: UCMConfig, vllm_config) -> bool:
+    """``save_layerwise`` as configured, except with microbatches (``--enable-dbo``,
+    ``ubatch_size`` above 1): each microbatch reports a layer as soon as its
+    own attention is done, so the first report would copy pages the other
+    microbatch has not written yet.  Such an engine gathers after the
+    forward pass, with a warning."""
+    if not config.save_layerwise:
+        return False
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "enable_dbo", False) or (getattr(parallel, "ubatch_size", 1) or 1) > 1:
+        if "dbo" not in _logged:
+            _logged.add("dbo")
+            logger.warning("ucm-connector: save_layerwise does not work with microbatches (--enable-dbo or "
+                           "ubatch_size above 1): each microbatch finishes a layer on its own; gathering saved "
+                           "blocks after the forward pass instead")
+        return False
+    return True
+
+
 def _same_caches(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """The same KV cache tensors, layer for layer (memory, shape and strides)."""
     def where(t) -> tuple:
@@ -310,7 +329,7 @@ class UCMConnector(KVConnectorBase_V1):
                 load_mode=engine_load_mode(self.config, vllm_config), events=OutcomeLog(enabled=with_events),
                 share_failures=_tp_union if namespace.tp_size > 1 else None,
                 observer=LoadObserver() if auto else None,
-                save_layerwise=self.config.save_layerwise and self._save_enabled,
+                save_layerwise=layerwise_saves(self.config, vllm_config) and self._save_enabled,
                 copies=(self._load_enabled, self._save_enabled))
             from .plugin import apply_sparse
 
