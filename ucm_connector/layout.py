@@ -221,10 +221,13 @@ def load_settings(vllm_config) -> tuple[tuple[str, str], ...]:
     name = str(getattr(load_format, "value", load_format)).lower()
     out = () if name in _FILE_LOAD_FORMATS else (("load_format", name),)
     # Layers whose KV stays unquantized under --kv-cache-dtype: which ones
-    # decides what each layer's part of a block holds.
+    # decides what each layer's part of a block holds, and vLLM's version
+    # the order of the layers in it (vLLM groups them by page spec).
     skipped = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_dtype_skip_layers", None)
     if skipped:
-        out += (("kv_cache_dtype_skip_layers", ",".join(sorted(map(str, skipped)))),)
+        from patches import vllm_version
+
+        out += (("kv_cache_dtype_skip_layers", ",".join(sorted(map(str, skipped))) + f"@vllm-{vllm_version()}"),)
     return out
 
 
