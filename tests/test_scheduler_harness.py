@@ -509,3 +509,14 @@ def test_under_async_scheduling_a_request_sharing_a_failed_block_stores_no_wrong
     h.run()                                # check_store runs after every step
     assert h.outputs[r] == reference_generate(tokens, 4, h.num_layers)
     assert h.outputs[s] == reference_generate(s_tokens, 30, h.num_layers)
+
+
+def test_under_multiconnector_a_weight_update_reaches_the_connector(disk_url, harnesses):
+    """MultiConnector passes vLLM's reset on to each child."""
+    tokens = prompt(6 * BS + 1, seed=16)
+    h = harnesses(store=disk_url, multi=True, extra={"load_policy": "always"})
+    run_one(h, tokens)
+    assert h.update_weights(1, reset_connector=True) is True
+    assert h.generation != b""
+    run_one(h, tokens)
+    assert h.counters()["loaded_blocks"] == 0
