@@ -29,6 +29,8 @@ Engines (tiny-llama unless said otherwise):
 * ``redis1`` / ``redis2`` on a private Redis server, which ``redis2`` kills
   mid-run (store down).
 * ``bad-disk`` / ``bad-redis``: a store that cannot be opened at start-up.
+* ``weights``: weights changed in place, then vLLM's reset with and without
+  the connector's (prefix caching on: vLLM's own hit is the reference).
 """
 
 from __future__ import annotations
