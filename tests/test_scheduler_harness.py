@@ -425,17 +425,22 @@ def test_on_cache_reset_keep_goes_on_loading(disk_url, harnesses):
     assert h.counters()["loaded_blocks"] == 6
 
 
+def _half_prefilled(disk_url, harnesses, seed):
+    """A request two 40-token chunks into its prefill, and the blocks it has stored."""
+    tokens = prompt(6 * BS + 1, seed=seed)
+    h = harnesses(store=disk_url, max_num_batched_tokens=40)
+    req = h.add(tokens, 3)
+    h.step()
+    h.step()
+    return h, tokens, req, set(h.stored_blocks())
+
+
 def test_a_request_preempted_by_the_reset_is_keyed_afresh(disk_url, harnesses):
     """``reset_running_requests=True`` preempts a request half-way through
     its prefill: it computes again from the start, with the new weights,
     and stores all its blocks under the new generation's keys (the blocks
     it stored before keep their old keys and old KV)."""
-    tokens = prompt(6 * BS + 1, seed=14)
-    h = harnesses(store=disk_url, max_num_batched_tokens=40)
-    req = h.add(tokens, 3)
-    h.step()
-    h.step()
-    before = set(h.stored_blocks())
+    h, tokens, req, before = _half_prefilled(disk_url, harnesses, seed=14)
     assert before and before <= set(h.keys_of(tokens))
     assert h.update_weights(1, reset_running_requests=True, reset_connector=True) is True
     h.run()
@@ -449,12 +454,7 @@ def test_a_request_that_holds_kv_at_the_reset_saves_no_more(disk_url, harnesses)
     hold KV of the old weights then stores none of its blocks, under the old
     keys or the new (the store is checked after every step: a block of
     mixed weights under either would fail)."""
-    tokens = prompt(6 * BS + 1, seed=15)
-    h = harnesses(store=disk_url, max_num_batched_tokens=40)
-    req = h.add(tokens, 3)
-    h.step()
-    h.step()
-    before = set(h.stored_blocks())
+    h, _, req, before = _half_prefilled(disk_url, harnesses, seed=15)
     assert len(before) == 5
     assert h.update_weights(1, reset_connector=True) is False     # vLLM's own reset: blocks in use
     assert h.generation != b""
