@@ -179,6 +179,8 @@ def test_save_layerwise_is_off_with_microbatches(caplog):
     report would copy pages the other microbatch has not written yet."""
     from types import SimpleNamespace
 
+    from vllm.config import ParallelConfig
+
     from ucm_connector.config import UCMConfig
     from ucm_connector import connector
     from ucm_connector.connector import layerwise_saves
@@ -187,7 +189,7 @@ def test_save_layerwise_is_off_with_microbatches(caplog):
     asked = UCMConfig.from_extra_config({"save_layerwise": True})
 
     def engine(dbo=False, ubatch_size=1):
-        return SimpleNamespace(parallel_config=SimpleNamespace(enable_dbo=dbo, ubatch_size=ubatch_size))
+        return SimpleNamespace(parallel_config=ParallelConfig(enable_dbo=dbo, ubatch_size=ubatch_size))
 
     assert layerwise_saves(asked, engine()) is True
     assert layerwise_saves(UCMConfig.from_extra_config({}), engine(dbo=True)) is False

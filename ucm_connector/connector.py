@@ -69,6 +69,13 @@ KEEP_POLICY_ENV = "UCM_KEEP_KV_LOAD_FAILURE_POLICY"
 _logged: set[str] = set()     # messages logged once per process
 
 
+def _log_once(key: str, log, message: str, *args) -> None:
+    """``log(message, *args)`` the first time ``key`` comes up in this process."""
+    if key not in _logged:
+        _logged.add(key)
+        log(message, *args)
+
+
 def _policy_given() -> bool:
     """Whether the user set ``kv_load_failure_policy`` themselves.  vLLM's
     config object holds the value, not whether it was given, so: on the
@@ -89,20 +96,16 @@ def settle_load_failure_policy(transfer_config) -> None:
     if policy != "fail":
         return
     if _policy_given():
-        if "kept" not in _logged:
-            _logged.add("kept")
-            logger.warning(
-                "ucm-connector: kv_load_failure_policy is 'fail' as configured: a stored block that fails "
-                "its checks or is evicted between lookup and load fails its request (FINISHED_ERROR); "
-                "'recompute' is recommended: vLLM then recomputes the block and the request succeeds")
+        _log_once("kept", logger.warning,
+                  "ucm-connector: kv_load_failure_policy is 'fail' as configured: a stored block that fails "
+                  "its checks or is evicted between lookup and load fails its request (FINISHED_ERROR); "
+                  "'recompute' is recommended: vLLM then recomputes the block and the request succeeds")
         return
     transfer_config.kv_load_failure_policy = "recompute"
-    if "switched" not in _logged:
-        _logged.add("switched")
-        logger.info(
-            "ucm-connector: kv_load_failure_policy set to 'recompute' (vLLM's default is 'fail'): a stored "
-            "block that cannot be loaded is recomputed instead of failing its request; to keep 'fail', give "
-            "it in --kv-transfer-config or set %s=1", KEEP_POLICY_ENV)
+    _log_once("switched", logger.info,
+              "ucm-connector: kv_load_failure_policy set to 'recompute' (vLLM's default is 'fail'): a stored "
+              "block that cannot be loaded is recomputed instead of failing its request; to keep 'fail', give "
+              "it in --kv-transfer-config or set %s=1", KEEP_POLICY_ENV)
 
 
 def _tp_union(block_ids: set[int]) -> set[int]:
@@ -133,11 +136,10 @@ def _prefix_reusable(model_config) -> bool:
     connector then neither loads nor saves, and says so once."""
     if getattr(model_config, "is_prefix_caching_supported", True) is not False:
         return True
-    if "prefix" not in _logged:
-        _logged.add("prefix")
-        logger.warning("ucm-connector: vLLM does not reuse this model's KV by prefix (pooler %s); the connector "
-                       "neither loads nor saves", getattr(getattr(model_config, "pooler_config", None),
-                                                          "seq_pooling_type", None) or "none")
+    _log_once("prefix", logger.warning,
+              "ucm-connector: vLLM does not reuse this model's KV by prefix (pooler %s); the connector neither "
+              "loads nor saves",
+              getattr(getattr(model_config, "pooler_config", None), "seq_pooling_type", None) or "none")
     return False
 
 
@@ -151,12 +153,11 @@ def mm_named_by_content(vllm_config) -> bool:
     if mm_config is None or getattr(mm_config, "mm_processor_cache_gb", None) != 0 \
             or vllm_config.cache_config.enable_prefix_caching:
         return True
-    if "mm-counter" not in _logged:
-        _logged.add("mm-counter")
-        logger.warning("ucm-connector: with --mm-processor-cache-gb 0 and prefix caching off, vLLM names images "
-                       "and other multimodal inputs by a counter, not by their content; requests with such inputs "
-                       "run without the external cache (text-only requests are not affected). Give "
-                       "--mm-processor-cache-gb above 0, or enable prefix caching, to share them")
+    _log_once("mm-counter", logger.warning,
+              "ucm-connector: with --mm-processor-cache-gb 0 and prefix caching off, vLLM names images "
+              "and other multimodal inputs by a counter, not by their content; requests with such inputs "
+              "run without the external cache (text-only requests are not affected). Give "
+              "--mm-processor-cache-gb above 0, or enable prefix caching, to share them")
     return False
 
 
@@ -197,12 +198,10 @@ def engine_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
 
     mode = config.load_mode
     if mode is not LoadMode.ASYNC and async_scheduling(vllm_config):
-        if "async-scheduling" not in _logged:
-            _logged.add("async-scheduling")
-            (logger.warning if mode is LoadMode.LAYER else logger.info)(
-                "ucm-connector: vLLM schedules asynchronously, so a step can run before a failed load is known; "
-                "loading hits on the loader thread (load_kv_async), where a request waits until its blocks are "
-                "checked%s", ", not layer by layer" if mode is LoadMode.LAYER else "")
+        _log_once("async-scheduling", logger.warning if mode is LoadMode.LAYER else logger.info,
+                  "ucm-connector: vLLM schedules asynchronously, so a step can run before a failed load is known; "
+                  "loading hits on the loader thread (load_kv_async), where a request waits until its blocks are "
+                  "checked%s", ", not layer by layer" if mode is LoadMode.LAYER else "")
         return LoadMode.ASYNC
     if mode is LoadMode.LAYER and full_cuda_graphs(vllm_config):
         logger.warning(
@@ -222,13 +221,11 @@ def layerwise_saves(config: UCMConfig, vllm_config) -> bool:
     forward pass, with a warning."""
     if not config.save_layerwise:
         return False
-    parallel = getattr(vllm_config, "parallel_config", None)
-    if getattr(parallel, "enable_dbo", False) or (getattr(parallel, "ubatch_size", 1) or 1) > 1:
-        if "dbo" not in _logged:
-            _logged.add("dbo")
-            logger.warning("ucm-connector: save_layerwise does not work with microbatches (--enable-dbo or "
-                           "ubatch_size above 1): each microbatch finishes a layer on its own; gathering saved "
-                           "blocks after the forward pass instead")
+    if getattr(getattr(vllm_config, "parallel_config", None), "use_ubatching", False):
+        _log_once("dbo", logger.warning,
+                  "ucm-connector: save_layerwise does not work with microbatches (--enable-dbo or "
+                  "ubatch_size above 1): each microbatch finishes a layer on its own; gathering saved "
+                  "blocks after the forward pass instead")
         return False
     return True
 
