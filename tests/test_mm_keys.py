@@ -38,6 +38,23 @@ def _keys(scheduler, request):
     return scheduler._keys(scheduler._state(request))
 
 
+def test_inputs_added_to_a_running_request_enter_its_keys(tmp_path):
+    """A streaming session adds the next turn's tokens and images to the
+    same request: the keys of the blocks after it are made with the new
+    images (two sessions alike but for the second image must not share
+    them), and the blocks before keep theirs."""
+    scheduler = _scheduler(tmp_path)
+    session = _request("s", [_image("img-1", 2)], n=32)
+    first_turn = _keys(scheduler, session)
+    session.all_token_ids = list(range(100, 164))
+    session.mm_features = session.mm_features + [_image("img-2", 40)]
+    keys = _keys(scheduler, session)
+    assert keys[:2] == first_turn
+    assert keys == _keys(scheduler, _request("whole", [_image("img-1", 2), _image("img-2", 40)]))
+    assert keys[2:] != _keys(scheduler, _request("other", [_image("img-1", 2), _image("img-3", 40)]))[2:]
+    scheduler.store.close()
+
+
 @pytest.mark.parametrize("image", [_image(None, 2), _image("img-1", None)], ids=["no identifier", "no place"])
 def test_an_input_the_keys_cannot_name_leaves_its_request_unkeyed(tmp_path, image):
     """Keyed without that input, the request would share KV with the same

@@ -52,6 +52,11 @@ _MUL_H = 104_729
 _MUL_W = 15_485_863     # what a change of the model's weights (``Harness.weights``) adds
 
 
+def _h0(token: int, weights: int) -> int:
+    """A token's input to the first layer, under the model's weights."""
+    return token + 1 + weights * _MUL_W
+
+
 def _mix_kv(layer: int, h: int) -> int:
     return (h * _MUL_KV + 31 * layer + 17) % MOD
 
@@ -63,7 +68,7 @@ def _mix_h(h: int, d: int) -> int:
 def reference_kv(tokens: list[int], num_layers: int, weights: int = 0) -> list[list[int]]:
     """kv[l][p] of a sequence computed from scratch by the model with these
     weights: what every page of it must hold."""
-    h = [t + 1 + weights * _MUL_W for t in tokens]
+    h = [_h0(t, weights) for t in tokens]
     kv_layers = []
     for layer in range(num_layers):
         kv = [_mix_kv(layer, x) for x in h]
@@ -326,7 +331,7 @@ class Harness:
             start = c - n
             (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             tokens = self._worker_tokens[req_id] if self.async_scheduling else list(request.all_token_ids)
-            h = [tokens[p] + 1 + self.weights * _MUL_W for p in range(start, start + n)]
+            h = [_h0(tokens[p], self.weights) for p in range(start, start + n)]
             work.append((req_id, start, n, list(block_ids), tokens, h))
         for layer, name in enumerate(self.layer_names):
             self.worker.wait_for_layer_load(name)
