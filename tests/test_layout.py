@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from ucm_connector.cache_views import LAYOUTS
@@ -259,3 +260,86 @@ def test_a_hub_name_is_known_by_the_commit_of_its_cached_snapshot(tmp_path, monk
     snapshot("b" * 40)
     assert name_fingerprint("org/model") == name_fingerprint("org/model", "main") != first
     assert name_fingerprint("org/model", "a" * 40) == first
+
+
+def _mixed_engine(tmp_path, heads=(1, 2, 1, 2)):
+    """A real engine config, and vLLM's own KV cache config and caches for a
+    model whose layers keep KV of two kinds (layer i has ``heads[i]`` KV
+    heads, as in models with a head count per layer)."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    config = EngineArgs(model=_model_dir(tmp_path / "m"), dtype="float32", max_model_len=1024).create_engine_config()
+    config.cache_config.kv_cache_layout = "LBHNC"      # what the engine core resolves on a CPU
+    block_size = config.cache_config.block_size
+    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+        block_size=block_size, num_kv_heads=n, head_size=16, dtype=torch.float32) for i, n in enumerate(heads)}
+    kv_cache_config = get_kv_cache_config_from_groups(config, get_kv_cache_groups(config, specs), 8 << 20)
+    caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), config.cache_config.get_resolved_kv_cache_layout())
+    return config, kv_cache_config, caches
+
+
+MODEL_ORDER = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def test_mixed_layers_are_in_the_namespace_whatever_order_vllm_keeps_them_in(tmp_path):
+    """vLLM groups the caches of unlike layers by spec, in an order of its
+    own; the namespace names the layers and their specs in the model's
+    order, and is unchanged for engines whose layers are alike."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    config, kv_cache_config, _ = _mixed_engine(tmp_path)
+    mixed = namespace_for(config, kv_cache_config=kv_cache_config)
+    assert set(dict(mixed.extra)) == {"layers"}
+    assert mixed.digest != namespace_for(config).digest
+
+    # The same layers and specs, listed by another vLLM in another order.
+    group = kv_cache_config.kv_cache_groups[0]
+    specs = group.kv_cache_spec.kv_cache_specs
+    reordered = [MODEL_ORDER[i] for i in (3, 1, 2, 0)]
+    other = KVCacheGroupSpec(reordered, UniformTypeKVCacheSpecs(
+        block_size=group.kv_cache_spec.block_size, kv_cache_specs={name: specs[name] for name in reordered}))
+    kv_cache_config.kv_cache_groups = [other]
+    assert namespace_for(config, kv_cache_config=kv_cache_config).digest == mixed.digest
+
+    _, swapped, _ = _mixed_engine(tmp_path, heads=(2, 1, 2, 1))      # other layers have two heads
+    assert namespace_for(config, kv_cache_config=swapped).digest != mixed.digest
+    _, alike, _ = _mixed_engine(tmp_path, heads=(2, 2, 2, 2))
+    assert namespace_for(config, kv_cache_config=alike).digest == namespace_for(config).digest
+
+
+def test_a_block_holds_mixed_layers_in_the_models_order_whatever_order_they_are_registered_in(tmp_path):
+    """vLLM 0.32 registers the caches of a model with two kinds of layers
+    grouped by kind (layers 0, 2, 1, 3). An engine whose vLLM registers
+    them in another order (here the model's) must read each layer's bytes
+    of a block into that layer, not into its neighbour."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from ucm_connector.connector import UCMConnector
+
+    config, kv_cache_config, caches = _mixed_engine(tmp_path)
+    assert list(caches) != MODEL_ORDER and sorted(caches) == MODEL_ORDER     # vLLM's own order is another
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="UCMConnector", kv_role="kv_both",
+        kv_connector_extra_config={"store": f"disk://{tmp_path / 'store'}"})
+    for layer, name in enumerate(MODEL_ORDER):
+        caches[name].copy_(torch.arange(caches[name].numel(), dtype=torch.float32).view_as(caches[name]) + layer * 1e6)
+    other = {name: torch.zeros_like(caches[name]) for name in MODEL_ORDER}
+
+    saver = UCMConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    loader = UCMConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    saver.register_kv_caches(caches)
+    loader.register_kv_caches(other)
+    out = np.zeros((1, saver._worker.transfer.payload_nbytes), dtype=np.uint8)
+    saver._worker.transfer.gather([5], out)
+    loader._worker.transfer.scatter([7], out)
+    for name in MODEL_ORDER:
+        assert torch.equal(other[name][7], caches[name][5]), name
+    assert [layer.name for layer in saver._worker.transfer.layers] == MODEL_ORDER
+    saver.shutdown()
+    loader.shutdown()

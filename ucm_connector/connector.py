@@ -27,7 +27,7 @@ from .adapters import AdapterIdentities
 from .config import LoadMode, UCMConfig, UCMConfigError
 from .events import EventTracker, OutcomeLog, UCMKVEvents, events_enabled
 from .hashing import BlockHasher
-from .layout import lora_engine_settings, namespace_for
+from .layout import block_layer_order, lora_engine_settings, namespace_for
 from .loadpolicy import LoadPolicy, ReadSample, StepSample
 from .manifest import write_manifest
 from .measure import LoadObserver, tiers_of
@@ -281,7 +281,8 @@ class UCMConnector(KVConnectorBase_V1):
             # Under MultiConnector this is the child's own copy; the patch of
             # MultiConnector.__init__ settles the policy vLLM reads.
             settle_load_failure_policy(transfer_config)
-            namespace = namespace_for(vllm_config, tp_rank=0, sparse=self.config.sparse)
+            namespace = namespace_for(vllm_config, tp_rank=0, sparse=self.config.sparse,
+                                      kv_cache_config=kv_cache_config)
             logger.info("ucm-connector: store %s, namespace %s, role %s", self.store.url,
                         namespace.describe(), kv_role)
             self._scheduler = UCMScheduler(
@@ -313,7 +314,8 @@ class UCMConnector(KVConnectorBase_V1):
                         f"with tensor_parallel_size {tp_size} every worker must run inside vLLM's "
                         "distributed set-up") from None
                 tp_rank = 0
-            namespace = namespace_for(vllm_config, tp_rank=tp_rank, sparse=self.config.sparse)
+            namespace = namespace_for(vllm_config, tp_rank=tp_rank, sparse=self.config.sparse,
+                                      kv_cache_config=kv_cache_config)
             if self._save_enabled:
                 # What `ucm store stats` shows for this namespace (never raises).
                 write_manifest(self.store, namespace, model_name=str(vllm_config.model_config.model))
@@ -347,7 +349,9 @@ class UCMConnector(KVConnectorBase_V1):
                 "vLLM keeps one worker-side connector per process, so this engine would load and save through "
                 "the first engine's KV cache. Run each engine in a process of its own (leave "
                 "VLLM_ENABLE_V1_MULTIPROCESSING at 1, vLLM's default), or shut the first engine down first")
-        self._worker.register_kv_caches(kv_caches)
+        # A block holds its layers in an order every vLLM version agrees on.
+        order = block_layer_order(kv_caches, self._kv_cache_config)
+        self._worker.register_kv_caches({name: kv_caches[name] for name in order})
         self._registered_caches = dict(kv_caches)
         if self.config.sparse:
             from .plugin import warm_up_sparse, warn_of_dense_layers

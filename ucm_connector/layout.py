@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from collections.abc import Iterable
+from typing import Any
 
 from .blockfmt import FORMAT_VERSION
 from .cache_views import PAGE_ORDER
@@ -221,25 +224,79 @@ def load_settings(vllm_config) -> tuple[tuple[str, str], ...]:
     name = str(getattr(load_format, "value", load_format)).lower()
     out = () if name in _FILE_LOAD_FORMATS else (("load_format", name),)
     # Layers whose KV stays unquantized under --kv-cache-dtype: which ones
-    # decides what each layer's part of a block holds, and vLLM's version
-    # the order of the layers in it (vLLM groups them by page spec).
+    # decides what each layer's part of a block holds (their order in it is
+    # ``block_layer_order``'s).
     skipped = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_dtype_skip_layers", None)
     if skipped:
-        from patches import vllm_version
-
-        out += (("kv_cache_dtype_skip_layers", ",".join(sorted(map(str, skipped))) + f"@vllm-{vllm_version()}"),)
+        out += (("kv_cache_dtype_skip_layers", ",".join(sorted(map(str, skipped)))),)
     return out
 
 
-def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None) -> Namespace:
+def _layer_specs(kv_cache_config) -> dict[str, Any]:
+    """Each layer's KV cache spec in vLLM's ``KVCacheConfig``."""
+    specs: dict[str, Any] = {}
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}   # UniformTypeKVCacheSpecs
+        for name in group.layer_names:
+            specs.setdefault(name, per_layer.get(name, group.kv_cache_spec))
+    return specs
+
+
+def mixed_layers(kv_cache_config) -> bool:
+    """Whether the engine's layers keep KV of more than one kind (several
+    cache groups, or one group of layers with different specs: other head
+    counts or dtypes, MLA beside an indexer).  vLLM then registers the
+    caches grouped by spec, in an order of its own making that another
+    vLLM version may change, so blocks lay their layers out in
+    ``block_layer_order`` instead."""
+    if kv_cache_config is None:
+        return False
+    if len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1:
+        return True
+    return len(set(_layer_specs(kv_cache_config).values())) > 1
+
+
+def _model_order(name: str) -> tuple[int, str]:
+    """A layer's place in the model by its name alone: its layer number
+    ("model.layers.12.self_attn.attn": 12), then its name."""
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+    return (int(match.group(1)) if match else -1, name)
+
+
+def block_layer_order(names: Iterable[str], kv_cache_config) -> list[str]:
+    """The order of the layers in a stored block: vLLM's registration order
+    where all layers are alike (the model's own order, which existing
+    blocks have), by layer number and name where they are mixed."""
+    names = list(names)
+    return sorted(names, key=_model_order) if mixed_layers(kv_cache_config) else names
+
+
+def layer_settings(kv_cache_config) -> tuple[tuple[str, str], ...]:
+    """Mixed layers, as a namespace extra: each layer's name and KV spec in
+    ``block_layer_order`` (none where the layers are alike)."""
+    if not mixed_layers(kv_cache_config):
+        return ()
+    import hashlib
+
+    specs = _layer_specs(kv_cache_config)
+    described = [[name, type(spec).__name__, int(spec.page_size_bytes)]
+                 + [str(getattr(spec, field, None)) for field in ("dtype", "num_kv_heads", "head_size")]
+                 for name, spec in ((name, specs[name]) for name in block_layer_order(specs, kv_cache_config))]
+    text = json.dumps(described, separators=(",", ":"))
+    return (("layers", hashlib.sha256(text.encode()).hexdigest()[:32]),)
+
+
+def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None,
+                  kv_cache_config=None) -> Namespace:
     """The engine's namespace.  With a ``sparse`` method (its validated
     option) the engine's KV lives apart from dense engines' and other
     methods': a token decoded with thinned attention gets other KV in every
     layer after the first, and so does every token computed after it over
-    vLLM's own prefix cache."""
+    vLLM's own prefix cache.  ``kv_cache_config`` (vLLM's, as both connector
+    roles get it) adds its layers where they are mixed (``layer_settings``)."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
-    extra = engine_settings(model_config) + load_settings(vllm_config)
+    extra = engine_settings(model_config) + load_settings(vllm_config) + layer_settings(kv_cache_config)
     if sparse:
         extra += (("sparse", json.dumps(dict(sparse), sort_keys=True, separators=(",", ":"))),)
     return Namespace(
