@@ -3,6 +3,7 @@ pages hold the same bytes for the same KV."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -343,3 +344,33 @@ def test_a_block_holds_mixed_layers_in_the_models_order_whatever_order_they_are_
     assert [layer.name for layer in saver._worker.transfer.layers] == MODEL_ORDER
     saver.shutdown()
     loader.shutdown()
+
+
+def test_the_python_files_that_trust_remote_code_runs_are_in_the_namespace(tmp_path):
+    model = _model_dir(tmp_path / "m")
+    plain = _engine_namespace(model, max_model_len=1024)
+    assert _engine_namespace(model, max_model_len=1024, trust_remote_code=True).digest == plain.digest  # no code
+    code = os.path.join(model, "configuration_custom.py")
+    with open(code, "w") as f:
+        f.write("ROPE_SCALE = 1.0\n")
+    first = _engine_namespace(model, max_model_len=1024, trust_remote_code=True)
+    assert "remote_code" in dict(first.extra) and first.digest != plain.digest
+    assert _engine_namespace(model, max_model_len=1024).digest == plain.digest      # code that does not run
+    with open(code, "w") as f:
+        f.write("ROPE_SCALE = 2.0\n")
+    assert _engine_namespace(model, max_model_len=1024, trust_remote_code=True).digest != first.digest
+
+
+def test_the_engines_multimodal_processing_options_are_in_the_namespace():
+    """--mm-processor-kwargs (a resolution cap, pan-and-scan crops) changes
+    what an image computes, and vLLM names a request's images by the
+    request's own options only."""
+    from ucm_connector.layout import engine_settings
+
+    def settings(**mm):
+        mm_config = SimpleNamespace(mm_processor_kwargs=mm.get("kwargs"), media_io_kwargs=mm.get("io"))
+        return dict(engine_settings(SimpleNamespace(multimodal_config=mm_config, hf_overrides=None)))
+
+    assert settings() == {}
+    assert settings(kwargs={"max_pixels": 1003520}) == {"mm_processor_kwargs": '{"max_pixels":1003520}'}
+    assert settings(io={"video": {"num_frames": 16}}) == {"media_io_kwargs": '{"video":{"num_frames":16}}'}

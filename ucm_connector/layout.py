@@ -90,8 +90,10 @@ def engine_settings(model_config) -> tuple[tuple[str, str], ...]:
     pre-quantized checkpoint also names the kernels vLLM chose),
     ``--hf-overrides`` (RoPE, layers and the like), a config read from
     elsewhere than ``config.json`` (``--hf-config-path``, ``--config-format``),
-    ``max_model_len`` where the RoPE depends on it, and Llama 4's
-    attention temperature tuning."""
+    ``max_model_len`` where the RoPE depends on it, Llama 4's attention
+    temperature tuning, the engine's ``--mm-processor-kwargs`` and
+    ``--media-io-kwargs``, and the Python files of a model directory that
+    ``--trust-remote-code`` runs."""
     out = []
     hf_config = getattr(model_config, "hf_config", None)
     quantization = getattr(model_config, "quantization", None)
@@ -104,17 +106,48 @@ def engine_settings(model_config) -> tuple[tuple[str, str], ...]:
                                                    f"{overrides.__module__}.{overrides.__qualname__}")))
     elif overrides:
         out.append(("hf_overrides", json.dumps(overrides, sort_keys=True, separators=(",", ":"), default=str)))
-    if hf_config is None:
-        return tuple(out)
-    config_format = str(getattr(model_config, "config_format", "auto") or "auto").split(".")[-1].lower()
-    if getattr(model_config, "hf_config_path", None) or config_format not in ("auto", "hf"):
-        out.append(("hf_config", config_digest(hf_config)))
-    if _rope_types(hf_config) & _LENGTH_DEPENDENT_ROPE:
-        out.append(("max_model_len", str(model_config.max_model_len)))
-    tuning = _llama4_temperature_tuning(model_config)
-    if tuning is not None:
-        out.append(("attn_temperature_tuning", str(tuning)))
+    if hf_config is not None:
+        config_format = str(getattr(model_config, "config_format", "auto") or "auto").split(".")[-1].lower()
+        if getattr(model_config, "hf_config_path", None) or config_format not in ("auto", "hf"):
+            out.append(("hf_config", config_digest(hf_config)))
+        if _rope_types(hf_config) & _LENGTH_DEPENDENT_ROPE:
+            out.append(("max_model_len", str(model_config.max_model_len)))
+        tuning = _llama4_temperature_tuning(model_config)
+        if tuning is not None:
+            out.append(("attn_temperature_tuning", str(tuning)))
+    # The engine's own multimodal processing options: vLLM's names for a
+    # request's images take in the request's options, not these.
+    mm_config = getattr(model_config, "multimodal_config", None)
+    for name in ("mm_processor_kwargs", "media_io_kwargs"):
+        value = getattr(mm_config, name, None)
+        if value:
+            out.append((name, json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)))
+    if getattr(model_config, "trust_remote_code", False):
+        code = _remote_code(str(getattr(model_config, "model", "")))
+        if code:
+            out.append(("remote_code", code))
     return tuple(out)
+
+
+def _remote_code(model: str) -> str | None:
+    """A digest of the Python files in a model directory (the code that
+    ``--trust-remote-code`` runs: its config classes, and with
+    ``--model-impl transformers`` its model); None without any.  A hub
+    name's files are covered by its snapshot's commit."""
+    import hashlib
+    import os
+
+    if not os.path.isdir(model):
+        return None
+    names = sorted(n for n in os.listdir(model) if n.endswith(".py") and os.path.isfile(os.path.join(model, n)))
+    if not names:
+        return None
+    hasher = hashlib.sha256()
+    for name in names:
+        with open(os.path.join(model, name), "rb") as f:
+            data = f.read()
+        hasher.update(f"{name}\0{len(data)}\0".encode() + data)
+    return hasher.hexdigest()[:32]
 
 
 _warned: set[str] = set()
