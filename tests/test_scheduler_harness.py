@@ -100,6 +100,24 @@ def test_a_restarted_engine_hits_what_another_saved(store_url, mode, harnesses):
     scheduler_is_empty(second)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_after_a_sleep_mode_release_and_restore_the_engine_saves_and_loads_as_before(disk_url, mode, harnesses):
+    """vLLM 0.33's sleep mode calls unregister_kv_caches before it unmaps the
+    KV cache and restore_kv_caches once it is mapped again (vLLM 0.32 calls
+    neither; here they are called as 0.33 does, twice for good measure)."""
+    h = harnesses(store=disk_url, load_mode=mode, prefix_caching=False)
+    tokens = prompt(6 * BS + 1, seed=3)
+    run_one(h, tokens)
+    h.worker.unregister_kv_caches()
+    h.worker.unregister_kv_caches()
+    h.worker.restore_kv_caches()
+    h.worker.restore_kv_caches()
+    run_one(h, tokens)
+    assert h.counters()["loaded_blocks"] == 6
+    run_one(h, prompt(4 * BS + 1, seed=4))
+    assert len(h.stored_blocks()) == 10 and h.counters()["load_errors"] == 0
+
+
 def test_a_miss_computes_and_saves(disk_url, harnesses):
     h = harnesses(store=disk_url)
     run_one(h, prompt(5 * BS + 1))

@@ -772,3 +772,51 @@ def test_with_no_room_for_staging_buffers_at_start_up_the_worker_warns_and_still
     producer.register_kv_caches(_caches(5))
     producer.close()
     assert asked[-1] == (True, False) and "buffers (128 MiB)" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["async", "layer"])
+def test_sleep_mode_waits_for_the_loads_in_flight_and_gives_the_staging_back(tmp_path, mode, device):
+    """vLLM 0.33 calls unregister_kv_caches just before it unmaps the KV
+    cache: a load still on its way into the pages (one for a request the
+    pause aborted) must be in before that returns, and the device staging
+    buffers go back to the device. After restore_kv_caches the worker loads
+    and saves as before."""
+    store = open_store(f"disk://{tmp_path}/store")
+    src, keys = _saved(store, 1, 6, device)
+    dst = _caches(2, device)
+    w = _worker(store, dst, mode)
+    reading, go_on = threading.Event(), threading.Event()
+    for name in ("get_into", "get_into_parts"):
+        real = getattr(store, name)
+
+        def held(*args, _real=real, **kwargs):
+            reading.set()
+            assert go_on.wait(10)
+            return _real(*args, **kwargs)
+        setattr(store, name, held)
+    w.load([BlockPlan("q", list(range(10, 16)), keys)])
+    assert reading.wait(10)
+    suspend = threading.Thread(target=w.suspend)
+    suspend.start()
+    suspend.join(0.3)
+    assert suspend.is_alive()                   # the load is still reading
+    go_on.set()
+    suspend.join(10)
+    assert not suspend.is_alive()
+    assert _pages(dst, range(10, 16)) == _pages(src, range(6))     # in before suspend returned
+    if device == "cuda":
+        assert w.transfer._gather_ring.buffer is None and w.transfer._scatter_ring.buffer is None
+    w.suspend()                                 # twice: nothing more
+    w.resume()
+    if device == "cuda":
+        assert w.transfer._scatter_ring.buffer is not None
+    for name in ("get_into", "get_into_parts"):
+        delattr(store, name)
+    if mode == "async":
+        _wait_loaded(w, "q")
+    assert w.take_load_errors() == set()
+    w.save([BlockPlan("r", [10, 11], _keys(8)[6:])])
+    assert w.flush(10)
+    assert _load_back(store, _keys(8)[6:], [20, 21], 3, device) == _pages(src, range(2))
+    w.close()
+    store.close()

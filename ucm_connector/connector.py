@@ -360,6 +360,18 @@ class UCMConnector(KVConnectorBase_V1):
             warn_of_dense_layers(vllm_config)
             warm_up_sparse(vllm_config, kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep mode, before it unmaps the KV cache: no copy
+        of ours may touch the pages until ``restore_kv_caches``."""
+        if self._worker is not None:
+            self._worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33's wake-up: the KV cache is mapped again, at the same
+        addresses (vLLM does not register it again)."""
+        if self._worker is not None:
+            self._worker.resume()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, UCMConnectorMetadata):

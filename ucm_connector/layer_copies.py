@@ -64,6 +64,14 @@ class LayerStaging:
                 self._slot = torch.empty(round_up(nbytes, 1 << 20), dtype=torch.uint8, device=self.device)
         return self._slot
 
+    def release(self) -> int:
+        """Wait for the side stream, then drop the slot; the bytes it took."""
+        with self.lock:
+            self.stream.synchronize()
+            released = 0 if self._slot is None else self._slot.numel()
+            self._slot = None
+            return released
+
 
 def slot_pages(slot: torch.Tensor, rows: int, segment, word: int) -> torch.Tensor:
     """The first ``rows`` pages of a layer (``segment``) in ``slot``, a

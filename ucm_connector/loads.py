@@ -80,6 +80,9 @@ class SyncLoads:
         errors, self._errors = self._errors, set()
         return errors
 
+    def drain(self) -> None:
+        """Return once no copy into the pages is queued or running."""
+
     def close(self) -> None:
         pass
 
@@ -139,6 +142,9 @@ class AsyncLoads:
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def drain(self) -> None:
+        self._thread.flush()
 
     def close(self) -> None:
         self._thread.close()
@@ -252,6 +258,9 @@ class LayerLoads:
     def take_errors(self) -> set[int]:
         job, self._job = self._job, None
         return self._settled(job)
+
+    def drain(self) -> None:
+        self._thread.flush()
 
     def close(self) -> None:
         self._thread.close()

@@ -73,6 +73,17 @@ class StagingRing:
                 self._allocate()
             return self.slot_nbytes * self.slots
 
+    def release(self) -> int:
+        """Wait for both side streams, then drop the slots; the bytes they
+        took (``reserve`` or the next copy allocates them again)."""
+        with self.lock:
+            self.kernel_stream.synchronize()
+            self.copy_stream.synchronize()
+            released = 0 if self.buffer is None else self.buffer.numel()
+            self.buffer = None
+            self._views.clear()
+            return released
+
     def rows_per_slot(self, row_nbytes: int) -> int:
         return max(1, self.slot_nbytes // row_nbytes)
 

@@ -325,6 +325,18 @@ class BlockTransfer:
         rings = [ring for ring, wanted in ((self._gather_ring, gather), (self._scatter_ring, scatter)) if wanted]
         return sum(ring.reserve(row_nbytes) for ring in rings)
 
+    def release_staging(self) -> int:
+        """CUDA: wait for every copy queued on this transfer's side streams,
+        then give the staging slots back to the device (sleep mode); the
+        next copies allocate them again.  The device bytes released (0 on
+        CPU)."""
+        if not self._cuda:
+            return 0
+        released = sum(ring.release() for ring in (self._gather_ring, self._scatter_ring))
+        released += sum(staging.release() for staging in self._layer_staging.values())
+        torch.cuda.empty_cache()
+        return released
+
     def layer_staging(self, direction: str) -> "LayerStaging":
         """The side stream and device slot of this transfer's layer copies
         in one direction, ``"gather"`` or ``"scatter"`` (CUDA; made on

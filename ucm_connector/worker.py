@@ -128,6 +128,7 @@ class UCMWorker:
         self.observer = observer
         self.clock: StepClock | None = None
         self.prober: Prober | None = None
+        self._suspended = False         # sleep mode: the KV cache is unmapped
 
     def register_kv_caches(self, kv_caches) -> None:
         self.transfer = BlockTransfer(kv_caches, self.num_blocks)
@@ -150,15 +151,7 @@ class UCMWorker:
             reader["store"] = observe_reads(self.store, self.observer)
             self.clock = StepClock(self.observer, on_cuda=self.transfer.on_cuda)
             self.prober = Prober(reader["store"], self.block_nbytes, self.tp_rank)
-        loads, saves = self.copies
-        try:
-            # At start-up, where a shortage is seen at once, not at the first copy.
-            self.transfer.reserve_staging(self.save_pool.row_nbytes, gather=saves, scatter=loads)
-        except torch.OutOfMemoryError:
-            logger.warning("ucm-connector: no room on the GPU for the KV staging buffers (%d"
-                           " MiB) after vLLM took its KV cache; each copy tries again, and a save or load that"
-                           " finds none is skipped (the blocks are recomputed). Lower --gpu-memory-utilization",
-                           (loads + saves) * self.transfer.staging_nbytes >> 20)
+        self._reserve_staging()
         if self.transfer.on_cuda and (self.save_layerwise or self.load_mode is LoadMode.LAYER):
             # Tried here, once, at start-up rather than in a step.
             if not self.transfer.can_copy_by_layer:
@@ -170,6 +163,18 @@ class UCMWorker:
                            layerwise=self.save_layerwise)
         logger.info("ucm-connector: %d layers registered, %d bytes of KV per block and rank",
                     self.transfer.num_layers, self.payload_nbytes)
+
+    def _reserve_staging(self) -> None:
+        """At start-up (and waking up), where a shortage is seen at once,
+        not at the first copy."""
+        loads, saves = self.copies
+        try:
+            self.transfer.reserve_staging(self.save_pool.row_nbytes, gather=saves, scatter=loads)
+        except torch.OutOfMemoryError:
+            logger.warning("ucm-connector: no room on the GPU for the KV staging buffers (%d"
+                           " MiB) after vLLM took its KV cache; each copy tries again, and a save or load that"
+                           " finds none is skipped (the blocks are recomputed). Lower --gpu-memory-utilization",
+                           (loads + saves) * self.transfer.staging_nbytes >> 20)
 
     # -- the hooks, in the order vLLM calls them in a step ------------------------
 
@@ -247,6 +252,32 @@ class UCMWorker:
 
     def take_load_errors(self) -> set[int]:
         return self.loads.take_errors() if self.loads is not None else set()
+
+    # -- sleep mode (vLLM 0.33's unregister_kv_caches / restore_kv_caches) ---------
+
+    def suspend(self) -> None:
+        """Before vLLM unmaps the KV cache: return once no copy into or out
+        of the pages is queued or running (an asynchronous load of a request
+        aborted by the pause included; a copy into unmapped pages is a
+        device fault), and give the device staging buffers back.  The saves'
+        writer goes on writing rows already on the host.  Idempotent."""
+        if self.transfer is None or self._suspended:
+            return
+        self._suspended = True
+        if self.loads is not None:
+            self.loads.drain()
+        released = self.transfer.release_staging()
+        if released:
+            logger.info("ucm-connector: KV cache released for sleep mode; %d MiB of staging buffers "
+                        "given back", released >> 20)
+
+    def resume(self) -> None:
+        """After vLLM maps the KV cache again (at the same addresses): the
+        staging buffers are taken again, as at start-up.  Idempotent."""
+        if not self._suspended:
+            return
+        self._suspended = False
+        self._reserve_staging()
 
     # -- the rest ------------------------------------------------------------------
 
