@@ -240,11 +240,14 @@ def _same_caches(a: dict[str, Any], b: dict[str, Any]) -> bool:
 class UCMConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Asked by vLLM (0.33 on) before it settles its CUDA graph mode:
-        layer-by-layer loads and sparse attention run Python in every
+        """Asked by vLLM (0.32 and 0.33) before it settles its CUDA graph
+        mode: layer-by-layer loads and sparse attention run Python in every
         attention call, which a full CUDA graph replays without; vLLM then
-        captures pieces around attention instead.  A config that does not
-        parse answers False: the connector's constructor reports it."""
+        captures pieces around attention instead.  Only the extra config is
+        given, so ``load_layerwise`` asks for pieces also where async
+        scheduling makes its loads asynchronous (``engine_load_mode``).  A
+        config that does not parse answers False: the connector's
+        constructor reports it."""
         try:
             config = UCMConfig.from_extra_config(extra_config)
         except UCMConfigError:
