@@ -288,26 +288,32 @@ MODEL_ORDER = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 def test_mixed_layers_are_in_the_namespace_whatever_order_vllm_keeps_them_in(tmp_path):
     """vLLM groups the caches of unlike layers by spec, in an order of its
-    own; the namespace names the layers and their specs in the model's
-    order, and is unchanged for engines whose layers are alike."""
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
+    own; the namespace says which layers are alike, in the model's order,
+    the same for the scheduler (whose copy of the config keeps one spec per
+    group) as for the workers, and is unchanged for engines whose layers
+    are alike."""
+    import copy
+
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
     config, kv_cache_config, _ = _mixed_engine(tmp_path)
     mixed = namespace_for(config, kv_cache_config=kv_cache_config)
     assert set(dict(mixed.extra)) == {"layers"}
     assert mixed.digest != namespace_for(config).digest
+    scheduler_config = generate_scheduler_kv_cache_config([kv_cache_config])
+    assert not hasattr(scheduler_config.kv_cache_groups[0].kv_cache_spec, "kv_cache_specs")   # one spec left
+    assert namespace_for(config, kv_cache_config=scheduler_config).digest == mixed.digest
 
-    # The same layers and specs, listed by another vLLM in another order.
-    group = kv_cache_config.kv_cache_groups[0]
-    specs = group.kv_cache_spec.kv_cache_specs
-    reordered = [MODEL_ORDER[i] for i in (3, 1, 2, 0)]
-    other = KVCacheGroupSpec(reordered, UniformTypeKVCacheSpecs(
-        block_size=group.kv_cache_spec.block_size, kv_cache_specs={name: specs[name] for name in reordered}))
-    kv_cache_config.kv_cache_groups = [other]
-    assert namespace_for(config, kv_cache_config=kv_cache_config).digest == mixed.digest
+    # The same layers, listed by another vLLM in another order.
+    other = copy.deepcopy(kv_cache_config)
+    other.kv_cache_tensors.reverse()
+    for tensor in other.kv_cache_tensors:
+        tensor.layers = list(reversed(tensor.layers))
+    other.kv_cache_groups[0].layer_names = list(reversed(other.kv_cache_groups[0].layer_names))
+    assert namespace_for(config, kv_cache_config=other).digest == mixed.digest
 
-    _, swapped, _ = _mixed_engine(tmp_path, heads=(2, 1, 2, 1))      # other layers have two heads
-    assert namespace_for(config, kv_cache_config=swapped).digest != mixed.digest
+    _, regrouped, _ = _mixed_engine(tmp_path, heads=(1, 1, 2, 2))      # other layers are alike
+    assert namespace_for(config, kv_cache_config=regrouped).digest != mixed.digest
     _, alike, _ = _mixed_engine(tmp_path, heads=(2, 2, 2, 2))
     assert namespace_for(config, kv_cache_config=alike).digest == namespace_for(config).digest
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sysconfig
 import tempfile
 
@@ -61,8 +62,23 @@ def _gen(name, prompts, max_tokens=16):
             "prompts": [{"tokens": list(p)} for p in prompts]}
 
 
+_SCRATCH: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch():
+    """One directory for this module's work dirs and stores, removed at its end."""
+    _SCRATCH.append(tempfile.mkdtemp(prefix="ucm-sparse-e2e-"))
+    yield
+    shutil.rmtree(_SCRATCH.pop(), ignore_errors=True)
+
+
+def _scratch_dir(prefix: str) -> str:
+    return tempfile.mkdtemp(prefix=prefix, dir=_SCRATCH[-1])
+
+
 def _run(name: str, spec: dict) -> dict:
-    workdir = tempfile.mkdtemp(prefix=f"ucm-sparse-{name}-")
+    workdir = _scratch_dir(f"{name}-")
     out, _ = run_spec_ok(spec, workdir, name, timeout=TIMEOUT_S, runner=RUNNER)
     return out
 
@@ -286,7 +302,7 @@ def test_with_torch_compile_every_block_equals_dense_and_a_budget_reads_fewer(co
 
 @pytest.fixture(scope="module")
 def loads_run():
-    store = "disk://" + tempfile.mkdtemp(prefix="ucm-sparse-store-")
+    store = "disk://" + _scratch_dir("store-")
     p, q = LONG1, _tokens("argparse.py", 1500)
     steps = [
         _gen("p_computed", [p]),
@@ -321,7 +337,7 @@ def test_blocks_loaded_from_the_store_get_summaries_like_computed_ones(loads_run
 # -- turned on by the connector's config alone ---------------------------------------
 
 def test_the_sparse_option_alone_turns_the_method_on_in_the_worker():
-    store = "disk://" + tempfile.mkdtemp(prefix="ucm-sparse-store-")
+    store = "disk://" + _scratch_dir("store-")
     spec = {"model": TINY, "store": store, "activate": False,
             "sparse": {"method": "block_topk", "budget_blocks": 3},
             "steps": [_gen("long", [LONG1])]}
@@ -345,7 +361,7 @@ def test_a_sparse_engines_blocks_are_loaded_by_engines_with_its_method_and_never
     sparse engine's blocks live in a namespace of their own.  The prompt
     and 200 tokens decoded sparsely, stored; a dense engine on the same
     store finds none of it, an engine with the same method all of it."""
-    store = "disk://" + tempfile.mkdtemp(prefix="ucm-sparse-store-")
+    store = "disk://" + _scratch_dir("store-")
     sparse = {"method": "block_topk", "budget_blocks": 3}
     first = _run("sparse-saves", {"model": TINY, "store": store, "activate": False, "sparse": sparse,
                                   "steps": [_gen("turn1", [LONG1], max_tokens=200),

@@ -11,7 +11,6 @@ import functools
 import json
 import re
 from collections.abc import Iterable
-from typing import Any
 
 from .blockfmt import FORMAT_VERSION
 from .cache_views import PAGE_ORDER
@@ -265,28 +264,27 @@ def load_settings(vllm_config) -> tuple[tuple[str, str], ...]:
     return out
 
 
-def _layer_specs(kv_cache_config) -> dict[str, Any]:
-    """Each layer's KV cache spec in vLLM's ``KVCacheConfig``."""
-    specs: dict[str, Any] = {}
-    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
-        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}   # UniformTypeKVCacheSpecs
-        for name in group.layer_names:
-            specs.setdefault(name, per_layer.get(name, group.kv_cache_spec))
-    return specs
+def _spec_buckets(kv_cache_config) -> list[list[str]]:
+    """The layers of vLLM's ``KVCacheConfig`` by the cache tensor they live
+    in: vLLM 0.32 and 0.33 give each group one tensor per kind of layer
+    (per spec), and the scheduler's copy of the config keeps them (it
+    keeps only one spec of a group)."""
+    buckets = [list(tensor.layers) for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+               if getattr(tensor, "layers", None)]
+    return buckets
 
 
 def mixed_layers(kv_cache_config) -> bool:
     """Whether the engine's layers keep KV of more than one kind (several
-    cache groups, or one group of layers with different specs: other head
-    counts or dtypes, MLA beside an indexer).  vLLM then registers the
-    caches grouped by spec, in an order of its own making that another
-    vLLM version may change, so blocks lay their layers out in
-    ``block_layer_order`` instead."""
+    cache groups, or one group whose layers live in several cache tensors:
+    other head counts or dtypes, MLA beside an indexer).  vLLM then
+    registers the caches tensor by tensor, in an order of its own making
+    that another vLLM version may change, so blocks lay their layers out
+    in ``block_layer_order`` instead.  Both connector roles decide it alike
+    from what their copies of the config share."""
     if kv_cache_config is None:
         return False
-    if len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1:
-        return True
-    return len(set(_layer_specs(kv_cache_config).values())) > 1
+    return len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1 or len(_spec_buckets(kv_cache_config)) > 1
 
 
 def _model_order(name: str) -> tuple[int, str]:
@@ -305,17 +303,22 @@ def block_layer_order(names: Iterable[str], kv_cache_config) -> list[str]:
 
 
 def layer_settings(kv_cache_config) -> tuple[tuple[str, str], ...]:
-    """Mixed layers, as a namespace extra: each layer's name and KV spec in
-    ``block_layer_order`` (none where the layers are alike)."""
+    """Mixed layers, as a namespace extra (none where the layers are
+    alike): which layers share a kind, in ``block_layer_order``, and that
+    blocks hold them in that order (blocks of builds that held them in
+    vLLM's order are never read as such)."""
     if not mixed_layers(kv_cache_config):
         return ()
     import hashlib
 
-    specs = _layer_specs(kv_cache_config)
-    described = [[name, type(spec).__name__, int(spec.page_size_bytes)]
-                 + [str(getattr(spec, field, None)) for field in ("dtype", "num_kv_heads", "head_size")]
-                 for name, spec in ((name, specs[name]) for name in block_layer_order(specs, kv_cache_config))]
-    text = json.dumps(described, separators=(",", ":"))
+    bucket_of = {name: i for i, bucket in enumerate(_spec_buckets(kv_cache_config)) for name in bucket}
+    for group in kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            bucket_of.setdefault(name, -1 - len(bucket_of))
+    names = block_layer_order(bucket_of, kv_cache_config)
+    kinds: dict[int, int] = {}
+    described = [[name, kinds.setdefault(bucket_of[name], len(kinds))] for name in names]
+    text = json.dumps(["by-layer-number", described], separators=(",", ":"))
     return (("layers", hashlib.sha256(text.encode()).hexdigest()[:32]),)
 
 
