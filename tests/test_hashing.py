@@ -492,3 +492,50 @@ def test_hashing_and_blockfmt_import_without_vllm_or_torch():
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert run.stdout.strip() == "[]"
+
+
+def _config_dir(path, **config) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"hidden_size": 64, "_name_or_path": str(path), **config}, f)
+    return str(path)
+
+
+def test_weights_streamed_from_an_object_store_are_known_by_url_and_config(tmp_path):
+    """With --load-format runai_streamer and an s3:// model, vLLM pulls the
+    config files into a local directory (its ``model``) and keeps the URL
+    in ``model_weights``; the directory has no weight files."""
+    from ucm_connector.hashing import model_identity
+
+    a = _config_dir(tmp_path / "pulled-a")
+    b = _config_dir(tmp_path / "pulled-b")                 # the same files pulled elsewhere
+    url = "s3://models/llama-8b"
+    ident = model_identity(a, None, url)
+    assert ident == model_identity(b, None, url)
+    assert ident != model_identity(a, None, "s3://models/llama-8b-v2")
+    assert ident != model_identity(_config_dir(tmp_path / "c", hidden_size=128), None, url)
+    with open(os.path.join(a, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 1}, "weight_map": {"w": "model-00001.safetensors"}}, f)
+    assert model_identity(a, None, url) != ident            # another weight index
+    assert model_identity(a, None, url) != model_identity(a)  # not the weightless directory's own
+
+
+def test_a_directory_without_weights_is_known_by_its_config(tmp_path):
+    """--load-format dummy on a config-only directory: the weights depend on
+    the config alone (the namespace also names the load format)."""
+    from ucm_connector.hashing import model_identity
+
+    a = _config_dir(tmp_path / "a")
+    assert model_identity(a) == model_identity(_config_dir(tmp_path / "b"))
+    assert model_identity(a) != model_identity(_config_dir(tmp_path / "c", hidden_size=128))
+    assert model_identity(a).startswith("config:")
+
+
+def test_a_tensorizer_file_is_a_weight_file(tmp_path):
+    d = _config_dir(tmp_path / "t")
+    with open(os.path.join(d, "model.tensors"), "wb") as f:
+        f.write(b"\1" * 1000)
+    first = model_fingerprint(d)
+    with open(os.path.join(d, "model.tensors"), "wb") as f:
+        f.write(b"\2" * 1000)
+    assert model_fingerprint(d) != first

@@ -3,6 +3,7 @@ pages hold the same bytes for the same KV."""
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -380,3 +381,32 @@ def test_the_engines_multimodal_processing_options_are_in_the_namespace():
     assert settings() == {}
     assert settings(kwargs={"max_pixels": 1003520}) == {"mm_processor_kwargs": '{"max_pixels":1003520}'}
     assert settings(io={"video": {"num_frames": 16}}) == {"media_io_kwargs": '{"video":{"num_frames":16}}'}
+
+
+def test_dummy_weights_on_a_directory_without_weight_files_start_and_stay_apart(tmp_path):
+    """A config-only directory (as for --load-format dummy) used to stop the
+    connector at start-up ("no weight files"); it is known by its config."""
+    model = _model_dir(tmp_path / "m")
+    os.remove(os.path.join(model, "model.safetensors"))
+    dummy = _engine_namespace(model, max_model_len=1024, load_format="dummy")
+    assert dummy.model_fingerprint.startswith("config:") and dict(dummy.extra) == {"load_format": "dummy"}
+    other = _model_dir(tmp_path / "other", rope_theta=500000.0)
+    os.remove(os.path.join(other, "model.safetensors"))
+    assert _engine_namespace(other, max_model_len=1024, load_format="dummy").digest != dummy.digest
+
+
+def test_a_loaders_settings_are_in_the_namespace_by_a_digest():
+    """--load-format tensorizer takes the weights from the URI in
+    --model-loader-extra-config, which may hold credentials."""
+    from ucm_connector.layout import load_settings
+
+    def settings(fmt, loader):
+        return dict(load_settings(SimpleNamespace(load_config=SimpleNamespace(
+            load_format=fmt, model_loader_extra_config=loader), cache_config=SimpleNamespace())))
+
+    a = settings("tensorizer", {"tensorizer_uri": "s3://b/m-v1.tensors", "s3_secret_access_key": "hunter2"})
+    b = settings("tensorizer", {"tensorizer_uri": "s3://b/m-v2.tensors", "s3_secret_access_key": "hunter2"})
+    assert a["load_format"] == "tensorizer" and a != b
+    assert "hunter2" not in json.dumps(a) and "s3://" not in json.dumps(a)
+    assert settings("auto", {"concurrency": 4}) == {}          # the model's own files
+    assert settings("dummy", {}) == {"load_format": "dummy"}

@@ -107,11 +107,9 @@ def model_identity(model: str, revision: str | None = None) -> str:
     """The model fingerprint the connector puts in its namespaces for
     ``--model`` and ``--revision`` (``layout._fingerprint``, without
     importing torch)."""
-    from .hashing import model_fingerprint, name_fingerprint
+    from .hashing import model_identity as identity
 
-    if os.path.exists(model):
-        try:
-            return model_fingerprint(model)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"cannot fingerprint the model {model!r}: {exc}") from None
-    return name_fingerprint(model, revision)
+    try:
+        return identity(model, revision)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot fingerprint the model {model!r}: {exc}") from None

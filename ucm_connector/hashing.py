@@ -105,7 +105,7 @@ _NUM_INNER_SAMPLES = 16
 _INNER_SAMPLE_NBYTES = 64 << 10
 _READ_CHUNK_NBYTES = 4 << 20
 _SAFETENSORS_MAX_HEADER_NBYTES = 100 << 20
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".tensors")
 # config.json keys that name where or with what a model was saved, not what it is.
 _CONFIG_KEYS_IGNORED = ("transformers_version",)
 
@@ -170,9 +170,8 @@ def model_fingerprint(model_path: str | os.PathLike) -> str:
     else:
         raise FileNotFoundError(f"model path {path!r} is neither a directory nor a file")
     if not weight_files:
-        raise ValueError(
-            f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {path!r}: cannot fingerprint "
-            "the model; pass the fingerprint explicitly")
+        raise NoWeightFiles(
+            f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {path!r}: cannot fingerprint the model's weights")
 
     hasher = xxhash.xxh3_128()
     hasher.update(b"ucm-model-fingerprint" + _enc_int(KEY_SCHEME_VERSION))
@@ -188,6 +187,49 @@ def model_fingerprint(model_path: str | os.PathLike) -> str:
         hasher.update(_enc_str(os.path.relpath(file_path, root).replace(os.sep, "/")))
         _hash_weight_file(hasher, file_path)
     return hasher.hexdigest()
+
+
+class NoWeightFiles(ValueError):
+    """A model directory without weight files."""
+
+
+def config_fingerprint(model_dir: str | os.PathLike, origin: str = "") -> str:
+    """A 32-hex-digit fingerprint of a model whose weights are not in its
+    directory, by what the directory says of them: ``config.json``,
+    ``params.json`` and the weight index files (``*.index.json``: every
+    tensor's name and file, the total size), canonicalised as for
+    ``model_fingerprint``, and ``origin``, where the weights come from (an
+    object store's URL, for weights vLLM streams from there; "" for none,
+    as for ``--load-format dummy``).  Other weights published under the same
+    URL with the same config and index are not told apart."""
+    path = os.fspath(model_dir)
+    hasher = xxhash.xxh3_128()
+    hasher.update(b"ucm-config-fingerprint" + _enc_int(KEY_SCHEME_VERSION) + _enc_str(origin))
+    for name in sorted(os.listdir(path)):
+        if name in ("config.json", "params.json") or name.endswith(".index.json"):
+            hasher.update(_enc_str(name) + _enc_str(_canonical_config(os.path.join(path, name))))
+    return "config:" + hasher.hexdigest()
+
+
+def model_identity(model: str, revision: str | None = None, weights: str | None = None) -> str:
+    """The model fingerprint of a namespace, for vLLM's ``model``,
+    ``revision`` and ``model_weights`` (set, to an object store's URL, where
+    vLLM streams the weights from there and ``model`` is a local directory
+    of the config files it pulled): a local model by its files
+    (``model_fingerprint``; a directory without weights, by its config), a
+    streamed one by its URL and config, a hub name by ``name_fingerprint``."""
+    if weights and weights != model and not os.path.exists(weights):
+        if os.path.isdir(model):
+            return config_fingerprint(model, origin=weights)
+        return name_fingerprint(weights, revision)
+    if os.path.exists(model):
+        try:
+            return model_fingerprint(model)
+        except NoWeightFiles:
+            if not os.path.isdir(model):
+                raise
+            return config_fingerprint(model)
+    return name_fingerprint(model, revision)
 
 
 def _canonical_config(config_path: str) -> str:

@@ -14,16 +14,21 @@ from collections.abc import Iterable
 
 from .blockfmt import FORMAT_VERSION
 from .cache_views import PAGE_ORDER
-from .hashing import Namespace, model_fingerprint, name_fingerprint
+from .hashing import Namespace, model_identity
 
 
 @functools.lru_cache(maxsize=8)
-def _fingerprint(model: str, revision: str | None = None) -> str:
-    import os
+def _fingerprint(model: str, revision: str | None = None, weights: str | None = None) -> str:
+    fingerprint = model_identity(model, revision, weights)
+    if fingerprint.startswith("config:") and not weights:
+        _warn_once(f"ucm-connector: the model directory {model} holds no weight files; its blocks are keyed "
+                   "by its config alone (as for --load-format dummy, whose weights depend on the config only)")
+    return fingerprint
 
-    if os.path.exists(model):
-        return model_fingerprint(model)
-    return name_fingerprint(model, revision)
+
+def _identity(model_config) -> str:
+    return _fingerprint(str(model_config.model), getattr(model_config, "revision", None),
+                        getattr(model_config, "model_weights", None) or None)
 
 
 #: RoPE types whose rotation depends on the engine's ``max_model_len``:
@@ -237,9 +242,8 @@ def drafter(vllm_config) -> str:
     method = getattr(spec, "method", None)
     if spec is None or method is None or method in _DRAFTERS_WITHOUT_KV:
         return ""
-    draft = getattr(getattr(spec, "draft_model_config", None), "model", None)
-    revision = getattr(getattr(spec, "draft_model_config", None), "revision", None)
-    return f"/draft={method}:{_fingerprint(str(draft), revision) if draft else '-'}"
+    draft_config = getattr(spec, "draft_model_config", None)
+    return f"/draft={method}:{_identity(draft_config) if getattr(draft_config, 'model', None) else '-'}"
 
 
 #: Load formats that read the weights in the model's own files (the fingerprint).
@@ -250,11 +254,22 @@ _FILE_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsaf
 def load_settings(vllm_config) -> tuple[tuple[str, str], ...]:
     """A load format that does not take the weights from the model's files
     (``dummy``: random weights; a tensorizer or sharded-state file) keeps
-    its engine apart from those that do; so do the layers
+    its engine apart from those that do, with its loader's settings
+    (``--model-loader-extra-config``: where the weights are); so do the layers
     ``--kv-cache-dtype-skip-layers`` leaves unquantized."""
-    load_format = getattr(getattr(vllm_config, "load_config", None), "load_format", None) or "auto"
+    load_config = getattr(vllm_config, "load_config", None)
+    load_format = getattr(load_config, "load_format", None) or "auto"
     name = str(getattr(load_format, "value", load_format)).lower()
     out = () if name in _FILE_LOAD_FORMATS else (("load_format", name),)
+    loader = getattr(load_config, "model_loader_extra_config", None)
+    if out and loader:
+        # Where such a loader takes the weights from (a tensorizer URI, a
+        # sharded state's pattern), by a digest: it may hold credentials.
+        import hashlib
+
+        settings = loader.to_serializable() if hasattr(loader, "to_serializable") else loader
+        text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
+        out += (("model_loader_extra_config", hashlib.sha256(text.encode()).hexdigest()[:32]),)
     # Layers whose KV stays unquantized under --kv-cache-dtype: which ones
     # decides what each layer's part of a block holds (their order in it is
     # ``block_layer_order``'s).
@@ -336,7 +351,7 @@ def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None,
     if sparse:
         extra += (("sparse", json.dumps(dict(sparse), sort_keys=True, separators=(",", ":"))),)
     return Namespace(
-        model_fingerprint=_fingerprint(str(model_config.model), getattr(model_config, "revision", None)),
+        model_fingerprint=_identity(model_config),
         dtype=str(model_config.dtype),
         kv_layout=kv_layout(vllm_config) + drafter(vllm_config),
         block_size=vllm_config.cache_config.block_size,
