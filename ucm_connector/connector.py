@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from store_backends import StoreError, open_store, pause_unavailable
+from store_backends.urls import mask_password
 
 from .adapters import AdapterIdentities
 from .config import LoadMode, UCMConfig, UCMConfigError
@@ -321,7 +322,11 @@ class UCMConnector(KVConnectorBase_V1):
                                       kv_cache_config=kv_cache_config)
             if self._save_enabled:
                 # What `ucm store stats` shows for this namespace (never raises).
-                write_manifest(self.store, namespace, model_name=str(vllm_config.model_config.model))
+                # An object store's URL rather than the directory vLLM pulled its config into.
+                model_config = vllm_config.model_config
+                write_manifest(self.store, namespace,
+                               model_name=mask_password(getattr(model_config, "model_weights", None)
+                                                        or model_config.model))
             num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
             self._worker = UCMWorker(
                 store=self.store, namespace_digest=namespace.digest, tp_rank=tp_rank,
