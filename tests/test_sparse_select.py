@@ -1045,3 +1045,23 @@ def test_fp8_pages_are_read_with_the_layers_one_scale_and_per_head_scales_leave_
     for dtype in ("fp8_e5m2", "nvfp4", "int8_per_token_head"):
         per_tensor.impl.kv_cache_dtype = dtype
         assert _fa_pages(per_tensor.impl, per_tensor, reqs.kv) is None
+
+
+def test_kernels_that_cannot_be_built_at_the_warm_up_leave_the_torch_path_selecting(monkeypatch, caplog):
+    """Triton refuses some kernels on some GPUs ("type fp8e4nv not
+    supported in this architecture" for fp8 pages before sm_89): the
+    warm-up then switches the method to its torch ops, whose selection is
+    the same, rather than let the first decode call raise."""
+    def cannot(*args, **kwargs):
+        raise RuntimeError("type fp8e4nv not supported in this architecture")
+
+    monkeypatch.setattr(triton_select, "fold_decode", cannot)
+    reqs = Requests("cpu", [2000, 1100, 700], [1, 1, 1], seed=4)
+    method = _method({"keep_ratio": 0.25}, "triton")
+    assert method.warm_up(Requests("cpu", [40], [1], table_width=reqs.table.shape[1]).step("layers.0", 1)) == 0
+    assert method.kernels == "torch" and "fp8e4nv not supported" in caplog.text
+    reqs.start(method)
+    batch = reqs.step("layers.0", step=2)
+    selection = method.before_attention(batch)
+    rows, real = _differences(selection, _reference(method.options, method._layers["layers.0"], batch), batch)
+    assert rows == 3 and real == 0

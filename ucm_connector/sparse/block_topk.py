@@ -92,6 +92,7 @@ calls, keys and pages cut down to them).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -106,6 +107,8 @@ from .topk_plan import STATS, StepPlan, step_key
 from .topk_reuse import KeptChoices
 
 __all__ = ["DENSE_BELOW_DEFAULT", "BlockTopK", "BlockTopKOptions"]
+
+logger = logging.getLogger("vllm.ucm_connector.sparse")
 
 
 class BlockTopK(SparseMethod):
@@ -211,6 +214,16 @@ class BlockTopK(SparseMethod):
         device = example.query.device
         if not self._use_triton(device) or example.key is None:
             return 0
+        try:
+            return self._warm_up(example, device)
+        except Exception as exc:  # a kernel that cannot be built here never fails a layer call
+            logger.warning("ucm-connector: block_topk's Triton kernels cannot run here (%s: %s)"
+                           "; its selection runs as torch ops instead (the same blocks, more launches)",
+                           type(exc).__name__, exc)
+            self.kernels = "torch"
+            return 0
+
+    def _warm_up(self, example: AttentionBatch, device: torch.device) -> int:
         if self._channels is not None:
             # Calls are projected onto a layer's channels before anything
             # launches: the shapes, not which channels, set the variants.
