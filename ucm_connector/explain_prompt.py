@@ -105,8 +105,8 @@ def prompt_token_ids(args: argparse.Namespace) -> list[int]:
 
 def model_identity(model: str, revision: str | None = None) -> str:
     """The model fingerprint the connector puts in its namespaces for
-    ``--model`` and ``--revision`` (``layout._fingerprint``, without
-    importing torch)."""
+    ``--model`` and ``--revision`` (``hashing.model_identity``, as
+    ``UserError`` where the files cannot be read)."""
     from .hashing import model_identity as identity
 
     try:

@@ -195,8 +195,8 @@ class NoWeightFiles(ValueError):
 
 def config_fingerprint(model_dir: str | os.PathLike, origin: str = "") -> str:
     """The fingerprint (``config:`` and 32 hex digits) of a model whose
-    weights are not in its directory, by what the directory says of them: ``config.json``,
-    ``params.json`` and the weight index files (``*.index.json``: every
+    weights are not in its directory, by what the directory says of them:
+    ``config.json``, ``params.json`` and the weight index files (``*.index.json``: every
     tensor's name and file, the total size), canonicalised as for
     ``model_fingerprint``, and ``origin``, where the weights come from (an
     object store's URL, for weights vLLM streams from there; "" for none,

@@ -57,11 +57,22 @@ def _rope_types(hf_config) -> set[str]:
     return found
 
 
+def _canonical_json(value) -> str:
+    """``value`` as JSON that every process writes alike (sorted keys, no
+    spaces; what JSON cannot hold, by its ``str``)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _digest(value) -> str:
+    """32 hex digits of SHA-256 over ``_canonical_json(value)``."""
+    import hashlib
+
+    return hashlib.sha256(_canonical_json(value).encode()).hexdigest()[:32]
+
+
 def config_digest(hf_config) -> str:
     """A digest of the model config vLLM runs with (after its overrides),
     without the fields that only say where it came from."""
-    import hashlib
-
     def clean(value):
         if isinstance(value, dict):
             return {k: clean(v) for k, v in value.items()
@@ -72,8 +83,7 @@ def config_digest(hf_config) -> str:
             return sorted(map(str, value))
         return value
 
-    text = json.dumps(clean(hf_config.to_dict()), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return _digest(clean(hf_config.to_dict()))
 
 
 def _llama4_temperature_tuning(model_config) -> bool | None:
@@ -109,7 +119,7 @@ def engine_settings(model_config) -> tuple[tuple[str, str], ...]:
         out.append(("hf_overrides", "callable:" + (config_digest(hf_config) if hf_config is not None else
                                                    f"{overrides.__module__}.{overrides.__qualname__}")))
     elif overrides:
-        out.append(("hf_overrides", json.dumps(overrides, sort_keys=True, separators=(",", ":"), default=str)))
+        out.append(("hf_overrides", _canonical_json(overrides)))
     if hf_config is not None:
         config_format = str(getattr(model_config, "config_format", "auto") or "auto").split(".")[-1].lower()
         if getattr(model_config, "hf_config_path", None) or config_format not in ("auto", "hf"):
@@ -125,7 +135,7 @@ def engine_settings(model_config) -> tuple[tuple[str, str], ...]:
     for name in ("mm_processor_kwargs", "media_io_kwargs"):
         value = getattr(mm_config, name, None)
         if value:
-            out.append((name, json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)))
+            out.append((name, _canonical_json(value)))
     if getattr(model_config, "trust_remote_code", False):
         code = _remote_code(str(getattr(model_config, "model", "")))
         if code:
@@ -265,11 +275,8 @@ def load_settings(vllm_config) -> tuple[tuple[str, str], ...]:
     if out and loader:
         # Where such a loader takes the weights from (a tensorizer URI, a
         # sharded state's pattern), by a digest: it may hold credentials.
-        import hashlib
-
         settings = loader.to_serializable() if hasattr(loader, "to_serializable") else loader
-        text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
-        out += (("model_loader_extra_config", hashlib.sha256(text.encode()).hexdigest()[:32]),)
+        out += (("model_loader_extra_config", _digest(settings)),)
     # Layers whose KV stays unquantized under --kv-cache-dtype: which ones
     # decides what each layer's part of a block holds (their order in it is
     # ``block_layer_order``'s).
@@ -284,9 +291,8 @@ def _spec_buckets(kv_cache_config) -> list[list[str]]:
     in: vLLM 0.32 and 0.33 give each group one tensor per kind of layer
     (per spec), and the scheduler's copy of the config keeps them (it
     keeps only one spec of a group)."""
-    buckets = [list(tensor.layers) for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ()
-               if getattr(tensor, "layers", None)]
-    return buckets
+    return [list(tensor.layers) for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+            if getattr(tensor, "layers", None)]
 
 
 def mixed_layers(kv_cache_config) -> bool:
@@ -324,17 +330,13 @@ def layer_settings(kv_cache_config) -> tuple[tuple[str, str], ...]:
     vLLM's order are never read as such)."""
     if not mixed_layers(kv_cache_config):
         return ()
-    import hashlib
-
     bucket_of = {name: i for i, bucket in enumerate(_spec_buckets(kv_cache_config)) for name in bucket}
     for group in kv_cache_config.kv_cache_groups:
         for name in group.layer_names:
             bucket_of.setdefault(name, -1 - len(bucket_of))
-    names = block_layer_order(bucket_of, kv_cache_config)
     kinds: dict[int, int] = {}
-    described = [[name, kinds.setdefault(bucket_of[name], len(kinds))] for name in names]
-    text = json.dumps(["by-layer-number", described], separators=(",", ":"))
-    return (("layers", hashlib.sha256(text.encode()).hexdigest()[:32]),)
+    described = [[name, kinds.setdefault(bucket_of[name], len(kinds))] for name in sorted(bucket_of, key=_model_order)]
+    return (("layers", _digest(["by-layer-number", described])),)
 
 
 def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None,
@@ -349,7 +351,7 @@ def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None,
     parallel_config = vllm_config.parallel_config
     extra = engine_settings(model_config) + load_settings(vllm_config) + layer_settings(kv_cache_config)
     if sparse:
-        extra += (("sparse", json.dumps(dict(sparse), sort_keys=True, separators=(",", ":"))),)
+        extra += (("sparse", _canonical_json(dict(sparse))),)
     return Namespace(
         model_fingerprint=_identity(model_config),
         dtype=str(model_config.dtype),
