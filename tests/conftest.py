@@ -20,6 +20,12 @@ from servers import RedisCluster, RedisServer  # noqa: E402
 # session's end empties after stopping any server a failed test left behind.
 _SHM_RUNTIME_DIR = tempfile.mkdtemp(prefix="ucm-shm-test-")
 os.environ["UCM_SHM_RUNTIME_DIR"] = _SHM_RUNTIME_DIR
+# vLLM names its engines' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the system's
+# temporary directory by default) and leaves several behind per engine, even
+# after a clean shutdown: the test run's engines keep theirs in a directory
+# the session's end removes.
+_VLLM_RPC_DIR = tempfile.mkdtemp(prefix="ucm-vllm-rpc-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_RPC_DIR)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -34,6 +40,7 @@ def _stop_leftover_shm_servers():
         except Exception as exc:
             print(f"could not stop the shm server {name!r}: {exc}", file=sys.stderr)
     shutil.rmtree(_SHM_RUNTIME_DIR, ignore_errors=True)
+    shutil.rmtree(_VLLM_RPC_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
