@@ -111,6 +111,32 @@ def test_with_full_cuda_graphs_layerwise_loads_load_before_the_step_and_sparse_r
     assert engine_load_mode(UCMConfig.from_extra_config({}), full) is LoadMode.SYNC
 
 
+def test_under_async_scheduling_every_load_is_async_and_load_layerwise_is_told_to_go(monkeypatch, caplog):
+    """Async scheduling makes every configured way of loading asynchronous;
+    asked for ``load_layerwise``, the warning says that vLLM still gave up
+    its full CUDA graphs for it (it asks the connector with the options
+    alone), even after a sync engine of the same process logged its
+    own line."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from ucm_connector import connector
+    from ucm_connector.config import LoadMode, UCMConfig
+
+    monkeypatch.setattr(connector, "_logged", set())
+    engine = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True),
+                             compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE))
+    with caplog.at_level("INFO", logger=connector.logger.name):
+        assert connector.engine_load_mode(UCMConfig.from_extra_config({}), engine) is LoadMode.ASYNC
+        assert "loading hits on the loader thread" in caplog.text and "piecewise" not in caplog.text
+        caplog.clear()
+        layerwise = UCMConfig.from_extra_config({"load_layerwise": True})
+        assert connector.engine_load_mode(layerwise, engine) is LoadMode.ASYNC
+    assert "not layer by layer" in caplog.text and "drop it to keep full ones" in caplog.text
+    assert caplog.records[-1].levelname == "WARNING"
+
+
 def test_pipeline_and_context_parallelism_are_refused_at_start_up(tmp_path):
     """Blocks are keyed per tensor-parallel rank only: a pipeline stage
     would load another stage's layers under the same keys, and context
