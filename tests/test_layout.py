@@ -264,6 +264,82 @@ def test_a_hub_name_is_known_by_the_commit_of_its_cached_snapshot(tmp_path, monk
     assert name_fingerprint("org/model", "a" * 40) == first
 
 
+# A stand-in for ModelScope's client (its hub cannot be reached from here):
+# snapshot_download as vLLM and the connector call it, over a cache laid out
+# as ModelScope lays out its own (CACHE/models/ORG--NAME/snapshots/REVISION).
+_MODELSCOPE_CLIENT = """
+import os
+calls = []
+
+def snapshot_download(model_id=None, revision=None, cache_dir=None, local_files_only=False, **kwargs):
+    calls.append(dict(model_id=model_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only))
+    if not local_files_only:
+        raise RuntimeError("no network here")
+    path = os.path.join(cache_dir or os.environ["FAKE_MODELSCOPE_CACHE"], "models", model_id.replace("/", "--"),
+                        "snapshots", revision or "master")
+    if not os.path.isdir(path):
+        raise FileNotFoundError("Cannot find cached snapshot for model repo " + model_id)
+    return path
+"""
+
+
+def test_a_modelscope_name_is_known_by_the_files_of_its_local_copy(tmp_path, monkeypatch):
+    """With VLLM_USE_MODELSCOPE, vLLM takes a name from ModelScope, whose
+    snapshot directory is named "master", not by a commit, and whose next
+    download of a republished model replaces the files: the connector knows
+    such a model by the files of its local copy (so it shares blocks with an
+    engine that loads the same files from a directory) and, with nothing
+    cached, never by Hugging Face's commit for the same name.  It asks
+    ModelScope without the network, in vLLM's --download-dir, and ``ucm
+    explain`` names the model alike."""
+    import shutil
+    import sys
+
+    from vllm import envs
+
+    from ucm_connector import layout
+    from ucm_connector.explain_prompt import model_identity as explain_identity
+    from ucm_connector.hashing import MODELSCOPE, model_fingerprint, model_identity, name_fingerprint
+
+    package = tmp_path / "site" / "modelscope" / "hub"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "snapshot_download.py").write_text(_MODELSCOPE_CLIENT)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in ("modelscope", "modelscope.hub", "modelscope.hub.snapshot_download"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(envs, "VLLM_USE_MODELSCOPE", True)
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "1")
+    monkeypatch.setenv("FAKE_MODELSCOPE_CACHE", str(tmp_path / "default-cache"))
+    layout._fingerprint.cache_clear()
+    downloads = str(tmp_path / "downloads")
+    config = SimpleNamespace(model="org/model", revision=None, model_weights="")
+
+    nothing_cached = layout._identity(config, downloads)
+    assert nothing_cached == name_fingerprint("org/model", None, MODELSCOPE) != name_fingerprint("org/model")
+
+    snapshot = tmp_path / "downloads" / "models" / "org--model" / "snapshots" / "master"
+    _model_dir(snapshot)
+    layout._fingerprint.cache_clear()
+    cached = layout._identity(config, downloads)
+    local_copy = shutil.copytree(snapshot, tmp_path / "elsewhere")
+    assert cached == model_fingerprint(snapshot) == model_identity(str(local_copy)) != nothing_cached
+    assert explain_identity("org/model", None, downloads) == cached
+    assert layout._identity(config) == nothing_cached        # nothing in ModelScope's own cache
+
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"model.embed_tokens.weight": torch.ones(1000, 128)}, str(snapshot / "model.safetensors"))
+    assert model_identity("org/model", hub=MODELSCOPE, download_dir=downloads) != cached
+
+    calls = sys.modules["modelscope.hub.snapshot_download"].calls
+    assert calls and all(call["local_files_only"] for call in calls)
+    assert {call["cache_dir"] for call in calls} == {downloads, None}
+    layout._fingerprint.cache_clear()
+
+
 def _mixed_engine(tmp_path, heads=(1, 2, 1, 2)):
     """A real engine config, and vLLM's own KV cache config and caches for a
     model whose layers keep KV of two kinds (layer i has ``heads[i]`` KV

@@ -110,17 +110,46 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".tensors")
 _CONFIG_KEYS_IGNORED = ("transformers_version",)
 
 
-def name_fingerprint(model: str, revision: str | None = None) -> str:
-    """The fingerprint of a hub model name with no local path: the name and
-    the commit its files in the Hugging Face cache came from (the revision
-    asked for, or ``main``, resolved there), so that a model republished
-    under its name, or another snapshot on another host, is another model;
-    the revision asked for where nothing is cached."""
-    commit = _cached_commit(model, revision)
-    if commit is not None:
-        revision = commit
+HUGGINGFACE = "huggingface"
+MODELSCOPE = "modelscope"
+"""The hubs a model name may come from (vLLM takes names from ModelScope
+where ``VLLM_USE_MODELSCOPE`` is set)."""
+
+
+def name_fingerprint(model: str, revision: str | None = None, hub: str = HUGGINGFACE) -> str:
+    """The fingerprint of a hub model name with no local files: for the
+    Hugging Face hub, the name and the commit its files in the Hugging Face
+    cache came from (the revision asked for, or ``main``, resolved there),
+    so that a model republished under its name, or another snapshot on
+    another host, is another model; the revision asked for where nothing is
+    cached.  Another hub's names are kept apart from Hugging Face's: one
+    name may be two models there."""
+    if hub == HUGGINGFACE:
+        commit = _cached_commit(model, revision)
+        if commit is not None:
+            revision = commit
     name = model if revision is None else f"{model}@{revision}"
+    if hub != HUGGINGFACE:
+        name = f"{hub}:{name}"
     return "name:" + xxhash.xxh3_128_hexdigest(name.encode())
+
+
+def modelscope_snapshot(model: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
+    """The directory of ModelScope's local copy of ``model`` (in
+    ``cache_dir``, vLLM's ``--download-dir``, or ModelScope's cache), asked
+    of ModelScope without going to the network; None where nothing is
+    cached or ModelScope is not installed.  Such a snapshot is named by the
+    revision asked for (``master``), not by a commit, and a later download
+    of a republished model replaces its files: so the model is known by its
+    files, as a local directory is."""
+    try:
+        from modelscope.hub.snapshot_download import snapshot_download
+
+        path = snapshot_download(model_id=model, revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except Exception:       # nothing cached, or no modelscope
+        return None
+    path = os.fspath(path) if path else None
+    return path if path and os.path.isdir(path) else None
 
 
 def _cached_commit(model: str, revision: str | None) -> str | None:
@@ -211,13 +240,16 @@ def config_fingerprint(model_dir: str | os.PathLike, origin: str = "") -> str:
     return "config:" + hasher.hexdigest()
 
 
-def model_identity(model: str, revision: str | None = None, weights: str | None = None) -> str:
+def model_identity(model: str, revision: str | None = None, weights: str | None = None,
+                   hub: str = HUGGINGFACE, download_dir: str | None = None) -> str:
     """The model fingerprint of a namespace, for vLLM's ``model``,
     ``revision`` and ``model_weights`` (set, to an object store's URL, where
     vLLM streams the weights from there and ``model`` is a local directory
     of the config files it pulled): a local model by its files
     (``model_fingerprint``; a directory without weights, by its config), a
-    streamed one by its URL and config, a hub name by ``name_fingerprint``."""
+    streamed one by its URL and config, a ModelScope name by the files of
+    its local copy (``modelscope_snapshot``), another hub name by
+    ``name_fingerprint``."""
     if weights and weights != model and not os.path.exists(weights):
         if os.path.isdir(model):
             return config_fingerprint(model, origin=weights)
@@ -229,7 +261,11 @@ def model_identity(model: str, revision: str | None = None, weights: str | None 
             if not os.path.isdir(model):
                 raise
             return config_fingerprint(model)
-    return name_fingerprint(model, revision)
+    if hub == MODELSCOPE:
+        snapshot = modelscope_snapshot(model, revision, download_dir)
+        if snapshot is not None:
+            return model_identity(snapshot)
+    return name_fingerprint(model, revision, hub)
 
 
 def _canonical_config(config_path: str) -> str:

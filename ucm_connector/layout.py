@@ -14,21 +14,32 @@ from collections.abc import Iterable
 
 from .blockfmt import FORMAT_VERSION
 from .cache_views import PAGE_ORDER
-from .hashing import Namespace, model_identity
+from .hashing import HUGGINGFACE, MODELSCOPE, Namespace, model_identity
 
 
 @functools.lru_cache(maxsize=8)
-def _fingerprint(model: str, revision: str | None = None, weights: str | None = None) -> str:
-    fingerprint = model_identity(model, revision, weights)
+def _fingerprint(model: str, revision: str | None = None, weights: str | None = None, hub: str = HUGGINGFACE,
+                 download_dir: str | None = None) -> str:
+    fingerprint = model_identity(model, revision, weights, hub, download_dir)
     if fingerprint.startswith("config:") and not weights:
         _warn_once(f"ucm-connector: the model directory {model} holds no weight files; its blocks are keyed "
                    "by its config alone (as for --load-format dummy, whose weights depend on the config only)")
     return fingerprint
 
 
-def _identity(model_config) -> str:
+def model_hub() -> str:
+    """The hub vLLM takes model names from: ModelScope where
+    ``VLLM_USE_MODELSCOPE`` is set, else Hugging Face."""
+    from vllm import envs
+
+    return MODELSCOPE if envs.VLLM_USE_MODELSCOPE else HUGGINGFACE
+
+
+def _identity(model_config, download_dir: str | None = None) -> str:
+    """The model's fingerprint; ``download_dir`` is vLLM's ``--download-dir``
+    (where a hub model's files went)."""
     return _fingerprint(str(model_config.model), getattr(model_config, "revision", None),
-                        getattr(model_config, "model_weights", None) or None)
+                        getattr(model_config, "model_weights", None) or None, model_hub(), download_dir)
 
 
 #: RoPE types whose rotation depends on the engine's ``max_model_len``:
@@ -242,6 +253,10 @@ def kv_layout(vllm_config) -> str:
 _DRAFTERS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
 
 
+def _download_dir(vllm_config) -> str | None:
+    return getattr(getattr(vllm_config, "load_config", None), "download_dir", None) or None
+
+
 def drafter(vllm_config) -> str:
     """The drafter whose layers' KV the workers store beside the model's
     (EAGLE, MTP, a draft model: vLLM registers their caches with the
@@ -253,7 +268,8 @@ def drafter(vllm_config) -> str:
     if spec is None or method is None or method in _DRAFTERS_WITHOUT_KV:
         return ""
     draft_config = getattr(spec, "draft_model_config", None)
-    return f"/draft={method}:{_identity(draft_config) if getattr(draft_config, 'model', None) else '-'}"
+    identity = _identity(draft_config, _download_dir(vllm_config)) if getattr(draft_config, "model", None) else "-"
+    return f"/draft={method}:{identity}"
 
 
 #: Load formats that read the weights in the model's own files (the fingerprint).
@@ -353,7 +369,7 @@ def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None,
     if sparse:
         extra += (("sparse", _canonical_json(dict(sparse))),)
     return Namespace(
-        model_fingerprint=_identity(model_config),
+        model_fingerprint=_identity(model_config, _download_dir(vllm_config)),
         dtype=str(model_config.dtype),
         kv_layout=kv_layout(vllm_config) + drafter(vllm_config),
         block_size=vllm_config.cache_config.block_size,
