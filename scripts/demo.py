@@ -1,9 +1,12 @@
 """A newcomer's first five minutes with ucm-connector (what `make run` calls).
 
-    .venv/bin/python scripts/demo.py [--store URL] [--port N] [--prompt-tokens 2000]
+    .venv/bin/python scripts/demo.py [--store URL] [--port N] [--prompt-tokens 2000] [--dtype D]
 
 1. starts vLLM's OpenAI-compatible server with SmolLM2-135M and UCMConnector
-   on a store (default: disk:// under ./.cache/ucm-demo), prefix caching off;
+   on a store (default: disk:// under ./.cache/ucm-demo), prefix caching off,
+   in the model's bfloat16, or in float32 on a CPU that does not multiply
+   bfloat16 natively (AVX2 alone), where a bfloat16 prefill is about five
+   times slower;
 2. sends one long prompt (about 2,000 tokens of Python standard-library
    source) twice with the `openai` client, streaming, and measures the time to
    the first token of each: the first is computed (and its KV saved to the
@@ -109,6 +112,19 @@ def stream_once(client, model: str, prompt: str) -> tuple[float, float, str, int
     return (ttft if ttft is not None else total), total, "".join(text), prompt_tokens
 
 
+def default_dtype() -> str | None:
+    """float32 where vLLM's CPU build would run the model's bfloat16 without
+    native bfloat16 matmuls (torch's slow path); None (the model's dtype)
+    elsewhere."""
+    import torch
+
+    from ucm_testing.dtypes import cpu_multiplies_bf16
+
+    if torch.cuda.is_available() or cpu_multiplies_bf16():
+        return None
+    return "float32"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_dir = os.path.join(ROOT, ".cache", "ucm-demo")
@@ -118,6 +134,8 @@ def main() -> int:
     parser.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m"))
     parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--dtype", help="the engine's dtype (default: the model's, or float32 on a CPU without "
+                                        "native bfloat16 matmuls)")
     opts = parser.parse_args()
 
     if not os.path.isdir(opts.model):
@@ -138,12 +156,17 @@ def main() -> int:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", opts.model,
            "--port", str(port), "--max-model-len", "4096", "--enforce-eager",
            "--no-enable-prefix-caching", "--kv-transfer-config", kv_config]
+    dtype = opts.dtype or default_dtype()
+    if dtype:
+        cmd += ["--dtype", dtype]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     say("ucm-connector demo")
     say(f"  model : {os.path.relpath(opts.model, ROOT)}")
     say(f"  store : {opts.store}")
+    if dtype:
+        say(f"  dtype : {dtype}" + ("" if opts.dtype else " (this CPU does not multiply bfloat16 natively)"))
     say(f"  vLLM's own prefix cache is OFF, so any reuse below comes from the store.")
     say()
     proc = None
