@@ -185,6 +185,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         shown = "none" if value is None else value if isinstance(value, str) else json.dumps(value)
         print(f"  {option.name:<{width}}  {shown}")
     if args.no_connect:
+        print("stores not opened (--no-connect): only their URLs' schemes were checked, not their options, "
+              "hosts or ports")
         return EXIT_OK
     status = EXIT_OK
     for url in config.store_urls:
@@ -255,7 +257,8 @@ def render_configuration_reference() -> str:
         "```",
         "",
         "Check either before starting vLLM (the stores are opened too; `--no-connect`",
-        "skips that):",
+        "skips that, and with it the check of each store URL's options, host and port,",
+        "which a store makes as it opens):",
         "",
         "```",
         "ucm config check /etc/ucm.yaml",

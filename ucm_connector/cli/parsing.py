@@ -216,12 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
             "(what config_file names), a JSON string of kv_connector_extra_config, or a whole\n"
             "--kv-transfer-config JSON (or YAML file) with kv_connector_extra_config inside.\n"
             "Then each store is opened to see that the connector could use it (no shm:// server is\n"
-            "started and no directory created); --no-connect skips that.",
+            "started and no directory created); --no-connect skips that, and with it the check of\n"
+            "each URL's options, host and port, which the store makes as it opens: only the URL's\n"
+            "scheme is checked then.",
             "  ucm config check /etc/ucm.yaml\n"
             "  ucm config check '{\"store\": [\"shm://ucm\", \"disk:///var/cache/ucm\"]}'\n"
             "  ucm config check \"$KV_TRANSFER_CONFIG\" --no-connect")
     p.add_argument("config", metavar="CONFIG", help="a YAML file or a JSON string")
-    p.add_argument("--no-connect", action="store_true", help="do not open the stores")
+    p.add_argument("--no-connect", action="store_true", help="do not open the stores (only their URLs' schemes are checked)")
     sub(config_cmds, "reference", cmd_config_reference, "print the configuration reference (Markdown)",
         "Print the reference of every connector option, rendered from the code's option table;\n"
         "docs/configuration.md is this output.",
