@@ -289,6 +289,24 @@ def test_registry_opens_every_redis_scheme(redis_server, redis_cluster, tmp_path
         server.cleanup()
 
 
+def test_a_unix_socket_path_is_percent_decoded_as_a_disk_path_is(tmp_path):
+    """A socket in a directory whose name holds a ``#`` (which ends a URL's
+    path unless written ``%23``) or a space is reached by its encoded URL."""
+    import urllib.parse
+
+    directory = tmp_path / "redis #1 %sock"
+    directory.mkdir()
+    server = RedisServer(unixsocket=True, directory=str(directory)).start()
+    try:
+        url = f"unix://{urllib.parse.quote(server.unixsocket)}?namespace=u"
+        assert "%23" in url and "#" not in url
+        with registry.open_store(url) as s:
+            assert s.put([b"via-encoded-path"], [b"v"]) == [True]
+        assert redis.Redis(port=server.port).get(b"u:via-encoded-path") == b"v"
+    finally:
+        server.cleanup()
+
+
 def test_inspect_mode_opens_a_redis_that_answers_and_works_on_what_is_there(redis_server, unique_name):
     url = f"{redis_server.url}?namespace={unique_name}"
     with registry.open_store(url) as serving:

@@ -77,7 +77,7 @@ class RedisStore(RedisStoreBase):
             if not parts.path or parts.path == "/":
                 raise StoreOpenError(
                     f"store '{masked}' names no socket: write it as unix:///path/to/redis.sock[?db=N]")
-            kwargs.update(connection_class=redis_py.UnixDomainSocketConnection, path=parts.path,
+            kwargs.update(connection_class=redis_py.UnixDomainSocketConnection, path=urllib.parse.unquote(parts.path),
                           db=parse_db(url, options.get("db", "0")))
         else:
             host, port = host_port(url, parts)
