@@ -145,7 +145,7 @@ OPTIONS: tuple[Option, ...] = (
            "Load hits layer by layer while the forward pass runs: layer i's attention waits "
            "only for layer i's pages. Not together with load_kv_async, and not under async scheduling "
            "(loads are then asynchronous, with a warning). On CUDA it needs piecewise CUDA "
-           "graphs (vLLM 0.33 and later switch to them by themselves); an engine that replays full ones "
+           "graphs (vLLM 0.32 and 0.33 switch to them by themselves); an engine that replays full ones "
            "loads before the step instead, with a warning.",
            _bool),
     Option("save_layerwise", "bool", False,

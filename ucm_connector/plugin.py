@@ -138,7 +138,7 @@ def full_cuda_graphs(vllm_config) -> bool:
     from CUDA graphs (vLLM's FULL modes, on CUDA): on those steps no Python
     runs in an attention call, so neither a layer's load wait nor a sparse
     method is reached.  vLLM settles the mode before it builds connectors
-    (from 0.33 asking ``UCMConnector.requires_piecewise_for_cudagraph``)."""
+    (0.32 and 0.33 ask ``UCMConnector.requires_piecewise_for_cudagraph``)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
