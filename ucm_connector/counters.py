@@ -35,7 +35,8 @@ TABLE: tuple[Counter, ...] = (
     Counter("lookup_tokens", "vllm:ucm_lookup_tokens", "tokens",
             "Prompt tokens (whole blocks) looked up in the external store."),
     Counter("hit_tokens", "vllm:ucm_hit_tokens", "tokens",
-            "Prompt tokens whose KV the external store supplied instead of a prefill."),
+            "Prompt tokens scheduled to load from the external store instead of a prefill (a load that then "
+            "fails, recomputed, stays counted: see ucm_load_errors)."),
     Counter("loaded_blocks", "vllm:ucm_loaded_blocks", "blocks",
             "Blocks loaded from the external store into the KV cache (summed over TP ranks)."),
     Counter("loaded_bytes", "vllm:ucm_loaded_bytes", "bytes",
@@ -49,7 +50,8 @@ TABLE: tuple[Counter, ...] = (
     Counter("save_seconds", "vllm:ucm_save_seconds", "seconds",
             "Time spent saving blocks: copies out of the cache and store writes."),
     Counter("skipped_saves", "vllm:ucm_skipped_saves", "blocks",
-            "Blocks not saved: already stored, the writer's backlog was full, or the store refused them."),
+            "Blocks not saved: already stored, computed on a failed load, the writer's backlog was full, "
+            "the store refused them, or a store lookup or copy before the save failed."),
     Counter("layerwise_saved_blocks", "vllm:ucm_layerwise_saved_blocks", "blocks",
             "Blocks to save that were copied out of the cache layer by layer during the forward pass "
             "(save_layerwise); the others were copied after it."),

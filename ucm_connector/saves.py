@@ -345,7 +345,7 @@ class Saves(BlockIO):
         n = sum(stored)
         if n < len(keys) and self.report.first("store refused"):
             logger.warning("ucm-connector: store %s refused %d of %d blocks (full?); refused saves "
-                           "are skipped and counted in vllm:ucm_skipped_saves (logged once)",
+                           "are skipped and counted in vllm:ucm_skipped_saves_total (logged once)",
                            self.store.url, len(keys) - n, len(keys))
         self.events.add(WRITTEN, [k for k, ok in zip(keys, stored) if ok])
         self.events.add(NOT_STORED, [k for k, ok in zip(keys, stored) if not ok])
