@@ -118,7 +118,8 @@ def _sparse(name: str, value: Any) -> dict | None:
 OPTIONS: tuple[Option, ...] = (
     Option("store", "URL or list of URLs", None,
            "Where blocks are kept: a store URL, or a list of URLs = tiers, fastest first. "
-           "Default: disk:// under the user's cache directory (~/.cache/ucm-connector/kv, 20GiB).",
+           "Default: disk:// under the user's cache directory ($XDG_CACHE_HOME/ucm-connector/kv, "
+           "or ~/.cache/ucm-connector/kv without XDG_CACHE_HOME; 20GiB).",
            _store),
     Option("config_file", "path", None,
            "A YAML file with the same keys; keys given in kv_connector_extra_config win.", _path),
