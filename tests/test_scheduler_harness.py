@@ -180,6 +180,27 @@ def _poison_setup(store_url, mode, harnesses, how, **kwargs):
     return h, asked, bad_key
 
 
+def test_an_engine_that_only_loads_reports_the_blocks_it_drops_from_the_store(disk_url, harnesses):
+    """A kv_consumer engine (the decode side of a prefill/decode pair) drops
+    a stored block that fails its check, as any engine does; with vLLM's KV
+    events on it says so (BlockRemoved from STORAGE) for routers to hear,
+    and reports nothing as stored."""
+    from ucm_connector.hashing import key_digest
+
+    stored = prompt(10 * BS + 5, seed=5)
+    run_one(harnesses(store=disk_url), stored)
+    h = harnesses(store=disk_url, kv_role="kv_consumer", kv_events=True)
+    bad_key = h.keys_of(stored)[2]
+    h.damage(bad_key)
+    run_one(h, stored)
+    assert h.counters()["load_errors"] >= 1 and h.counters()["saved_blocks"] == 0
+    assert bad_key not in h.stored_blocks()
+    kinds = [type(e).__name__ for e in h.connector_events]
+    assert set(kinds) == {"BlockRemoved"}, kinds
+    assert [d for e in h.connector_events for d in e.block_hashes] == [key_digest(bad_key)]
+    assert all(e.medium == "STORAGE" for e in h.connector_events)
+
+
 @pytest.mark.parametrize("how", ["corrupt", "missing"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_failed_load_never_leaves_wrong_kv_in_the_store(store_url, mode, how, harnesses):

@@ -295,7 +295,8 @@ class UCMConnector(KVConnectorBase_V1):
                 tp_size=namespace.tp_size, load=self._load_enabled, save=self._save_enabled,
                 min_hit_blocks=self.config.min_hit_blocks, stats=self.stats,
                 load_async=engine_load_mode(self.config, vllm_config) is LoadMode.ASYNC,
-                events=EventTracker(enabled=with_events and self._save_enabled,
+                # A load-only engine reports the blocks it drops from the store.
+                events=EventTracker(enabled=with_events and (self._save_enabled or self._load_enabled),
                                     tp_size=namespace.tp_size, block_size=namespace.block_size),
                 adapters=AdapterIdentities(lora_engine_settings(vllm_config)),
                 policy=LoadPolicy(tier_names=[t.url for t in tiers_of(self.store)],

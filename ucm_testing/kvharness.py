@@ -140,10 +140,15 @@ class Harness:
     # vLLM's async scheduling (its default on GPUs): a step is scheduled and
     # run before the previous step's output reaches the scheduler.
     async_scheduling: bool = False
+    kv_role: str = "kv_both"
+    # vLLM's KV events on (published nowhere): what the connector hands
+    # vLLM's scheduler is kept in ``connector_events``.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         from vllm import SamplingParams  # noqa: F401  (imported early: fails fast without vLLM)
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig, KVTransferConfig, ModelConfig,
+                                 SchedulerConfig, VllmConfig)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -155,10 +160,10 @@ class Harness:
         register()
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers)]
         mode = {"sync": {}, "async": {"load_kv_async": True}, "layer": {"load_layerwise": True}}[self.load_mode]
-        ucm = {"kv_connector": "UCMConnector", "kv_role": "kv_both",
+        ucm = {"kv_connector": "UCMConnector", "kv_role": self.kv_role,
                "kv_connector_extra_config": {"store": self.store, **mode, **self.extra}}
         if self.multi:
-            top = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            top = {"kv_connector": "MultiConnector", "kv_role": self.kv_role,
                    "kv_connector_extra_config": {"connectors": [ucm]}}
         else:
             top = dict(ucm)
@@ -174,6 +179,7 @@ class Harness:
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.prefix_caching),
             kv_transfer_config=KVTransferConfig(**top),
             device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if self.kv_events else None,
         )
         self.kv_cache_config = KVCacheConfig(
             num_blocks=self.num_blocks, kv_cache_tensors=[],
@@ -197,6 +203,15 @@ class Harness:
         self.worker.register_kv_caches(self.caches)
         self.ucm_worker = _ucm(self.worker)
         self.ucm_scheduler = _ucm(self.scheduler.connector)
+        self.connector_events: list = []
+        take_events = self.scheduler.connector.take_events
+
+        def keep_events():
+            events = list(take_events())
+            self.connector_events.extend(events)
+            return events
+
+        self.scheduler.connector.take_events = keep_events
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 

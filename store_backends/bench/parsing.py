@@ -45,7 +45,8 @@ key), reads them back, asks for them, and deletes them.  Store and raw
 alternate which goes first from round to round.  GB/s means 10^9 bytes/s.
 
 Exit status: 0 ok, 1 verification failure (or the store failed mid-run),
-2 bad arguments or the store could not be opened."""
+2 bad arguments, the store could not be opened, or --json could not be
+written; 130 interrupted (Ctrl-C), after removing what the run wrote."""
 
 _EPILOG = """\
 examples:
