@@ -60,7 +60,7 @@ test-vllm-next: venv vllm models redis-server
 test-vllm-next-engines: venv vllm models redis-server
 	$(PY) scripts/vllm_python_tree.py --out $(VLLM_NEXT_DIR)-engines \
 	  $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL),--version $(VLLM_NEXT)) \
-	  --kernels-from $$($(PY) -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('vllm').origin))")
+	  --kernels-from "$$(env -u PYTHONPATH $(PY) -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('vllm').origin))")"
 	PYTHONPATH=$(VLLM_NEXT_DIR)-engines/site $(PY) -m pytest -p no:cacheprovider tests
 
 # block_topk's Triton kernels run on this CPU through Triton's interpreter.

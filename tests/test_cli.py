@@ -515,6 +515,9 @@ def test_config_check_reports_an_unreachable_store_unless_told_not_to_connect():
     unopened = ucm("config", "check", config, "--no-connect")
     assert unopened.returncode == 0
     assert "only their URLs' schemes were checked, not their options, hosts or ports" in unopened.stdout
+    unknown = ucm("config", "check", json.dumps({"store": ["disk:///tmp/ucm-cli-never", "foo://x"]}), "--no-connect")
+    assert unknown.returncode == 1
+    assert "unknown scheme 'foo'" in unknown.stderr and "disk, redis" in unknown.stderr
 
 
 def test_config_check_reports_a_bad_store_option():

@@ -277,25 +277,28 @@ def snapshot_download(model_id=None, revision=None, cache_dir=None, local_files_
         raise RuntimeError("no network here")
     path = os.path.join(cache_dir or os.environ["FAKE_MODELSCOPE_CACHE"], "models", model_id.replace("/", "--"),
                         "snapshots", revision or "master")
-    if not os.path.isdir(path):
+    if not os.path.isdir(path) or not os.listdir(path):
         raise FileNotFoundError("Cannot find cached snapshot for model repo " + model_id)
     return path
 """
 
 
-def test_a_modelscope_name_is_known_by_the_files_of_its_local_copy(tmp_path, monkeypatch):
+def test_a_modelscope_name_is_known_by_the_weight_files_of_its_local_copy(tmp_path, monkeypatch):
     """With VLLM_USE_MODELSCOPE, vLLM takes a name from ModelScope, whose
     snapshot directory is named "master", not by a commit, and whose next
     download of a republished model replaces the files: the connector knows
-    such a model by the files of its local copy (so it shares blocks with an
-    engine that loads the same files from a directory) and, with nothing
-    cached, never by Hugging Face's commit for the same name.  It asks
-    ModelScope without the network, in vLLM's --download-dir, and ``ucm
-    explain`` names the model alike."""
+    such a model by the weight files of its copy in ModelScope's cache
+    (where vLLM's loader puts them), so it shares blocks with an engine that
+    loads the same files from a directory.  A copy without weights (a
+    tokenizer's or a quantization config's download) and no copy at all
+    give the name, never the config alone (two fine-tunes share one) nor
+    Hugging Face's commit for the same name.  ModelScope is asked without
+    the network, and ``ucm explain`` names the model alike."""
     import shutil
     import sys
 
-    from vllm import envs
+    import torch
+    from safetensors.torch import save_file
 
     from ucm_connector import layout
     from ucm_connector.explain_prompt import model_identity as explain_identity
@@ -309,34 +312,33 @@ def test_a_modelscope_name_is_known_by_the_files_of_its_local_copy(tmp_path, mon
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     for name in ("modelscope", "modelscope.hub", "modelscope.hub.snapshot_download"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(envs, "VLLM_USE_MODELSCOPE", True)
-    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "1")
-    monkeypatch.setenv("FAKE_MODELSCOPE_CACHE", str(tmp_path / "default-cache"))
+    monkeypatch.setattr(layout, "model_hub", lambda: MODELSCOPE)
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "1")       # what ucm explain reads
+    monkeypatch.setenv("FAKE_MODELSCOPE_CACHE", str(tmp_path / "cache"))
     layout._fingerprint.cache_clear()
-    downloads = str(tmp_path / "downloads")
     config = SimpleNamespace(model="org/model", revision=None, model_weights="")
+    by_name = name_fingerprint("org/model", None, MODELSCOPE)
 
-    nothing_cached = layout._identity(config, downloads)
-    assert nothing_cached == name_fingerprint("org/model", None, MODELSCOPE) != name_fingerprint("org/model")
+    assert layout._identity(config) == by_name != name_fingerprint("org/model")
 
-    snapshot = tmp_path / "downloads" / "models" / "org--model" / "snapshots" / "master"
+    snapshot = tmp_path / "cache" / "models" / "org--model" / "snapshots" / "master"
     _model_dir(snapshot)
+    weights = snapshot / "model.safetensors"
+    os.rename(weights, tmp_path / "weights")            # a copy with the config alone
+    assert model_identity("org/model", hub=MODELSCOPE) == by_name
+
+    os.rename(tmp_path / "weights", weights)
     layout._fingerprint.cache_clear()
-    cached = layout._identity(config, downloads)
+    with_weights = layout._identity(config)
     local_copy = shutil.copytree(snapshot, tmp_path / "elsewhere")
-    assert cached == model_fingerprint(snapshot) == model_identity(str(local_copy)) != nothing_cached
-    assert explain_identity("org/model", None, downloads) == cached
-    assert layout._identity(config) == nothing_cached        # nothing in ModelScope's own cache
+    assert with_weights == model_fingerprint(snapshot) == model_identity(str(local_copy)) != by_name
+    assert explain_identity("org/model") == with_weights
 
-    from safetensors.torch import save_file
-    import torch
-
-    save_file({"model.embed_tokens.weight": torch.ones(1000, 128)}, str(snapshot / "model.safetensors"))
-    assert model_identity("org/model", hub=MODELSCOPE, download_dir=downloads) != cached
+    save_file({"model.embed_tokens.weight": torch.ones(1000, 128)}, str(weights))     # republished
+    assert model_identity("org/model", hub=MODELSCOPE) != with_weights
 
     calls = sys.modules["modelscope.hub.snapshot_download"].calls
-    assert calls and all(call["local_files_only"] for call in calls)
-    assert {call["cache_dir"] for call in calls} == {downloads, None}
+    assert calls and all(call["local_files_only"] and call["cache_dir"] is None for call in calls)
     layout._fingerprint.cache_clear()
 
 

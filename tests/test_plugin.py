@@ -135,6 +135,13 @@ def test_under_async_scheduling_every_load_is_async_and_load_layerwise_is_told_t
         assert connector.engine_load_mode(layerwise, engine) is LoadMode.ASYNC
     assert "not layer by layer" in caplog.text and "drop it to keep full ones" in caplog.text
     assert caplog.records[-1].levelname == "WARNING"
+    # With sparse attention the graphs stay piecewise whatever the loads do.
+    monkeypatch.setattr(connector, "_logged", set())
+    caplog.clear()
+    with caplog.at_level("INFO", logger=connector.logger.name):
+        sparse = UCMConfig.from_extra_config({"load_layerwise": True, "sparse": {"method": "block_topk"}})
+        assert connector.engine_load_mode(sparse, engine) is LoadMode.ASYNC
+    assert "not layer by layer" in caplog.text and "drop it" not in caplog.text
 
 
 def test_pipeline_and_context_parallelism_are_refused_at_start_up(tmp_path):

@@ -199,11 +199,15 @@ def engine_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
 
     mode = config.load_mode
     if mode is not LoadMode.ASYNC and async_scheduling(vllm_config):
+        why = ""
+        if mode is LoadMode.LAYER:
+            # Sparse attention wants piecewise CUDA graphs in any case.
+            why = ", not layer by layer" + ("" if config.sparse else " (vLLM captures piecewise CUDA graphs for "
+                                             "load_layerwise all the same: drop it to keep full ones)")
         _log_once(f"async-scheduling-{mode.name}", logger.warning if mode is LoadMode.LAYER else logger.info,
                   "ucm-connector: vLLM schedules asynchronously, so a step can run before a failed load is known; "
                   "loading hits on the loader thread (load_kv_async), where a request waits until its blocks are "
-                  "checked%s", ", not layer by layer (vLLM captures piecewise CUDA graphs for load_layerwise all the "
-                  "same: drop it to keep full ones)" if mode is LoadMode.LAYER else "")
+                  "checked%s", why)
         return LoadMode.ASYNC
     if mode is LoadMode.LAYER and full_cuda_graphs(vllm_config):
         logger.warning(

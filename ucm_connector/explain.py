@@ -133,9 +133,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", metavar="REV",
                         help="the --revision the engines were started with, for a hub model name without local "
                              "files (a local directory is known by its files)")
-    parser.add_argument("--download-dir", metavar="DIR",
-                        help="the --download-dir the engines were started with, for a hub model name whose files "
-                             "went there (with VLLM_USE_MODELSCOPE set, a ModelScope name is known by its files)")
     parser.add_argument("--tokenizer", metavar="DIR", help="the tokenizer's directory (default: --model)")
     parser.add_argument("--cache-salt", metavar="SALT", help="the request's cache_salt")
     parser.add_argument("--lora", metavar="DIR", help="the directory of the request's LoRA adapter")
@@ -230,7 +227,7 @@ def explain(args: argparse.Namespace) -> Report:
     namespace_prefix = _check_args(args)
     urls = [url.strip() for url in args.store]
     shown = ", ".join(mask_password(url) for url in urls)
-    fingerprint = model_identity(args.model, args.revision, args.download_dir)
+    fingerprint = model_identity(args.model, args.revision)
     token_ids = prompt_token_ids(args)
     with open_store(urls if len(urls) > 1 else urls[0], OpenMode.INSPECT) as store:
         deployments, unreadable = find_deployments(store)

@@ -103,16 +103,15 @@ def prompt_token_ids(args: argparse.Namespace) -> list[int]:
     return _tokenize(text, args.tokenizer or args.model, args.chat)
 
 
-def model_identity(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
+def model_identity(model: str, revision: str | None = None) -> str:
     """The model fingerprint the connector puts in its namespaces for
-    ``--model``, ``--revision`` and ``--download-dir``
-    (``hashing.model_identity``, as ``UserError`` where the files cannot be
-    read), from ModelScope where ``VLLM_USE_MODELSCOPE`` is set, as vLLM
-    takes it."""
+    ``--model`` and ``--revision`` (``hashing.model_identity``, as
+    ``UserError`` where the files cannot be read), from ModelScope where
+    ``VLLM_USE_MODELSCOPE`` is set, as vLLM takes it."""
     from .hashing import HUGGINGFACE, MODELSCOPE, model_identity as identity
 
     modelscope = os.environ.get("VLLM_USE_MODELSCOPE", "False").strip().lower() in ("1", "true")
     try:
-        return identity(model, revision, hub=MODELSCOPE if modelscope else HUGGINGFACE, download_dir=download_dir)
+        return identity(model, revision, hub=MODELSCOPE if modelscope else HUGGINGFACE)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot fingerprint the model {model!r}: {exc}") from None

@@ -134,18 +134,19 @@ def name_fingerprint(model: str, revision: str | None = None, hub: str = HUGGING
     return "name:" + xxhash.xxh3_128_hexdigest(name.encode())
 
 
-def modelscope_snapshot(model: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
-    """The directory of ModelScope's local copy of ``model`` (in
-    ``cache_dir``, vLLM's ``--download-dir``, or ModelScope's cache), asked
-    of ModelScope without going to the network; None where nothing is
-    cached or ModelScope is not installed.  Such a snapshot is named by the
-    revision asked for (``master``), not by a commit, and a later download
-    of a republished model replaces its files: so the model is known by its
-    files, as a local directory is."""
+def modelscope_snapshot(model: str, revision: str | None = None) -> str | None:
+    """The directory of ModelScope's local copy of ``model`` in ModelScope's
+    own cache (where vLLM's loader downloads a ModelScope model's weights,
+    whatever its ``--download-dir``), asked of ModelScope without going to
+    the network; None where nothing is cached or ModelScope is not
+    installed.  Such a snapshot is named by the revision asked for
+    (``master``), not by a commit, and a later download of a republished
+    model replaces its files: so the model is known by its weight files, as
+    a local directory is."""
     try:
         from modelscope.hub.snapshot_download import snapshot_download
 
-        path = snapshot_download(model_id=model, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        path = snapshot_download(model_id=model, revision=revision, local_files_only=True)
     except Exception:       # nothing cached, or no modelscope
         return None
     path = os.fspath(path) if path else None
@@ -241,14 +242,15 @@ def config_fingerprint(model_dir: str | os.PathLike, origin: str = "") -> str:
 
 
 def model_identity(model: str, revision: str | None = None, weights: str | None = None,
-                   hub: str = HUGGINGFACE, download_dir: str | None = None) -> str:
+                   hub: str = HUGGINGFACE) -> str:
     """The model fingerprint of a namespace, for vLLM's ``model``,
     ``revision`` and ``model_weights`` (set, to an object store's URL, where
     vLLM streams the weights from there and ``model`` is a local directory
     of the config files it pulled): a local model by its files
     (``model_fingerprint``; a directory without weights, by its config), a
-    streamed one by its URL and config, a ModelScope name by the files of
-    its local copy (``modelscope_snapshot``), another hub name by
+    streamed one by its URL and config, a ModelScope name by the weight
+    files of its local copy (``modelscope_snapshot``; by name where the
+    copy holds none, as a tokenizer's download does), another hub name by
     ``name_fingerprint``."""
     if weights and weights != model and not os.path.exists(weights):
         if os.path.isdir(model):
@@ -262,9 +264,12 @@ def model_identity(model: str, revision: str | None = None, weights: str | None 
                 raise
             return config_fingerprint(model)
     if hub == MODELSCOPE:
-        snapshot = modelscope_snapshot(model, revision, download_dir)
+        snapshot = modelscope_snapshot(model, revision)
         if snapshot is not None:
-            return model_identity(snapshot)
+            try:
+                return model_fingerprint(snapshot)
+            except NoWeightFiles:
+                pass        # config or tokenizer files alone: two models may share those
     return name_fingerprint(model, revision, hub)
 
 

@@ -18,9 +18,9 @@ from .hashing import HUGGINGFACE, MODELSCOPE, Namespace, model_identity
 
 
 @functools.lru_cache(maxsize=8)
-def _fingerprint(model: str, revision: str | None = None, weights: str | None = None, hub: str = HUGGINGFACE,
-                 download_dir: str | None = None) -> str:
-    fingerprint = model_identity(model, revision, weights, hub, download_dir)
+def _fingerprint(model: str, revision: str | None = None, weights: str | None = None,
+                 hub: str = HUGGINGFACE) -> str:
+    fingerprint = model_identity(model, revision, weights, hub)
     if fingerprint.startswith("config:") and not weights:
         _warn_once(f"ucm-connector: the model directory {model} holds no weight files; its blocks are keyed "
                    "by its config alone (as for --load-format dummy, whose weights depend on the config only)")
@@ -35,11 +35,9 @@ def model_hub() -> str:
     return MODELSCOPE if envs.VLLM_USE_MODELSCOPE else HUGGINGFACE
 
 
-def _identity(model_config, download_dir: str | None = None) -> str:
-    """The model's fingerprint; ``download_dir`` is vLLM's ``--download-dir``
-    (where a hub model's files went)."""
+def _identity(model_config) -> str:
     return _fingerprint(str(model_config.model), getattr(model_config, "revision", None),
-                        getattr(model_config, "model_weights", None) or None, model_hub(), download_dir)
+                        getattr(model_config, "model_weights", None) or None, model_hub())
 
 
 #: RoPE types whose rotation depends on the engine's ``max_model_len``:
@@ -253,10 +251,6 @@ def kv_layout(vllm_config) -> str:
 _DRAFTERS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
 
 
-def _download_dir(vllm_config) -> str | None:
-    return getattr(getattr(vllm_config, "load_config", None), "download_dir", None) or None
-
-
 def drafter(vllm_config) -> str:
     """The drafter whose layers' KV the workers store beside the model's
     (EAGLE, MTP, a draft model: vLLM registers their caches with the
@@ -268,8 +262,7 @@ def drafter(vllm_config) -> str:
     if spec is None or method is None or method in _DRAFTERS_WITHOUT_KV:
         return ""
     draft_config = getattr(spec, "draft_model_config", None)
-    identity = _identity(draft_config, _download_dir(vllm_config)) if getattr(draft_config, "model", None) else "-"
-    return f"/draft={method}:{identity}"
+    return f"/draft={method}:{_identity(draft_config) if getattr(draft_config, 'model', None) else '-'}"
 
 
 #: Load formats that read the weights in the model's own files (the fingerprint).
@@ -369,7 +362,7 @@ def namespace_for(vllm_config, tp_rank: int = 0, sparse: dict | None = None,
     if sparse:
         extra += (("sparse", _canonical_json(dict(sparse))),)
     return Namespace(
-        model_fingerprint=_identity(model_config, _download_dir(vllm_config)),
+        model_fingerprint=_identity(model_config),
         dtype=str(model_config.dtype),
         kv_layout=kv_layout(vllm_config) + drafter(vllm_config),
         block_size=vllm_config.cache_config.block_size,
