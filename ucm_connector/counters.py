@@ -36,7 +36,7 @@ TABLE: tuple[Counter, ...] = (
             "Prompt tokens (whole blocks) looked up in the external store."),
     Counter("hit_tokens", "vllm:ucm_hit_tokens", "tokens",
             "Prompt tokens scheduled to load from the external store instead of a prefill (a load that then "
-            "fails, recomputed, stays counted: see ucm_load_errors)."),
+            "fails, recomputed, stays counted: see vllm:ucm_load_errors_total)."),
     Counter("loaded_blocks", "vllm:ucm_loaded_blocks", "blocks",
             "Blocks loaded from the external store into the KV cache (summed over TP ranks)."),
     Counter("loaded_bytes", "vllm:ucm_loaded_bytes", "bytes",
