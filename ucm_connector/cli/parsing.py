@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
             "  ucm config check '{\"store\": [\"shm://ucm\", \"disk:///var/cache/ucm\"]}'\n"
             "  ucm config check \"$KV_TRANSFER_CONFIG\" --no-connect")
     p.add_argument("config", metavar="CONFIG", help="a YAML file or a JSON string")
-    p.add_argument("--no-connect", action="store_true", help="do not open the stores (only their URLs' schemes are checked)")
+    p.add_argument("--no-connect", action="store_true",
+                   help="do not open the stores (only their URLs' schemes are checked)")
     sub(config_cmds, "reference", cmd_config_reference, "print the configuration reference (Markdown)",
         "Print the reference of every connector option, rendered from the code's option table;\n"
         "docs/configuration.md is this output.",
