@@ -13,7 +13,8 @@ one-line progress report of ``ucm`` and ``ucm-bench``.
 from .base import KVStore, OpenMode, StoreError, StoreOpenError, StoreStats, StoreUnavailableError
 from .pausing import PausingStore, pause_unavailable
 from .progress import Progress
-from .registry import ENTRY_POINT_GROUP, known_schemes, open_store, register_scheme, url_scheme, which_store
+from .registry import (ENTRY_POINT_GROUP, check_scheme, known_schemes, open_store, register_scheme, url_scheme,
+                       which_store)
 from .urls import mask_password
 
 _SHM_ADMIN = frozenset({"ServerStatus", "ShmServerNotRunning", "UnsafeRuntimeDir", "check_runtime_dir",
@@ -42,6 +43,7 @@ __all__ = [
     "StoreUnavailableError",
     "UnsafeRuntimeDir",
     "check_runtime_dir",
+    "check_scheme",
     "known_schemes",
     "list_servers",
     "mask_password",

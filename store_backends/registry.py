@@ -77,10 +77,7 @@ def factory_for(scheme: str, url: str = "") -> Callable[[str], KVStore]:
     else:
         ep = _entry_points().get(scheme)
         if ep is None:
-            raise StoreOpenError(
-                f"store '{mask_password(url)}': unknown scheme {scheme!r}; "
-                f"known schemes: {', '.join(known_schemes())} "
-                f"(third-party stores register under the entry-point group {ENTRY_POINT_GROUP!r})")
+            raise _unknown_scheme(scheme, url)
         try:
             factory = _as_factory(ep.load(), scheme)
         except StoreOpenError:
@@ -92,6 +89,23 @@ def factory_for(scheme: str, url: str = "") -> Callable[[str], KVStore]:
     with _lock:
         _registered.setdefault(scheme, factory)
         return _registered[scheme]
+
+
+def _unknown_scheme(scheme: str, url: str) -> StoreOpenError:
+    return StoreOpenError(
+        f"store '{mask_password(url)}': unknown scheme {scheme!r}; "
+        f"known schemes: {', '.join(known_schemes())} "
+        f"(third-party stores register under the entry-point group {ENTRY_POINT_GROUP!r})")
+
+
+def check_scheme(url: str) -> str:
+    """The scheme of ``url`` where a store is known for it (built in,
+    registered or an entry point), else ``StoreOpenError`` naming the known
+    ones, as ``open_store`` would; opens and loads nothing."""
+    scheme = url_scheme(url)
+    if scheme not in known_schemes():
+        raise _unknown_scheme(scheme, url)
+    return scheme
 
 
 def url_scheme(url: str) -> str:
