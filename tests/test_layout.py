@@ -312,8 +312,7 @@ def test_a_modelscope_name_is_known_by_the_weight_files_of_its_local_copy(tmp_pa
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     for name in ("modelscope", "modelscope.hub", "modelscope.hub.snapshot_download"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(layout, "model_hub", lambda: MODELSCOPE)
-    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "1")       # what ucm explain reads
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "1")       # what the connector and ucm explain read
     monkeypatch.setenv("FAKE_MODELSCOPE_CACHE", str(tmp_path / "cache"))
     layout._fingerprint.cache_clear()
     config = SimpleNamespace(model="org/model", revision=None, model_weights="")

@@ -108,10 +108,9 @@ def model_identity(model: str, revision: str | None = None) -> str:
     ``--model`` and ``--revision`` (``hashing.model_identity``, as
     ``UserError`` where the files cannot be read), from ModelScope where
     ``VLLM_USE_MODELSCOPE`` is set, as vLLM takes it."""
-    from .hashing import HUGGINGFACE, MODELSCOPE, model_identity as identity
+    from .hashing import model_hub, model_identity as identity
 
-    modelscope = os.environ.get("VLLM_USE_MODELSCOPE", "False").strip().lower() in ("1", "true")
     try:
-        return identity(model, revision, hub=MODELSCOPE if modelscope else HUGGINGFACE)
+        return identity(model, revision, hub=model_hub())
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot fingerprint the model {model!r}: {exc}") from None

@@ -116,6 +116,14 @@ MODELSCOPE = "modelscope"
 where ``VLLM_USE_MODELSCOPE`` is set)."""
 
 
+def model_hub() -> str:
+    """The hub vLLM takes model names from: ModelScope where
+    ``VLLM_USE_MODELSCOPE`` is 1 or true (read as vLLM reads it), else
+    Hugging Face."""
+    use = os.environ.get("VLLM_USE_MODELSCOPE", "False").strip().lower() in ("1", "true")
+    return MODELSCOPE if use else HUGGINGFACE
+
+
 def name_fingerprint(model: str, revision: str | None = None, hub: str = HUGGINGFACE) -> str:
     """The fingerprint of a hub model name with no local files: for the
     Hugging Face hub, the name and the commit its files in the Hugging Face

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from .blockfmt import FORMAT_VERSION
 from .cache_views import PAGE_ORDER
-from .hashing import HUGGINGFACE, MODELSCOPE, Namespace, model_identity
+from .hashing import HUGGINGFACE, Namespace, model_hub, model_identity
 
 
 @functools.lru_cache(maxsize=8)
@@ -25,14 +25,6 @@ def _fingerprint(model: str, revision: str | None = None, weights: str | None = 
         _warn_once(f"ucm-connector: the model directory {model} holds no weight files; its blocks are keyed "
                    "by its config alone (as for --load-format dummy, whose weights depend on the config only)")
     return fingerprint
-
-
-def model_hub() -> str:
-    """The hub vLLM takes model names from: ModelScope where
-    ``VLLM_USE_MODELSCOPE`` is set, else Hugging Face."""
-    from vllm import envs
-
-    return MODELSCOPE if envs.VLLM_USE_MODELSCOPE else HUGGINGFACE
 
 
 def _identity(model_config) -> str:
