@@ -38,11 +38,18 @@ def _pinned_memory(owner: object, nbytes: int) -> tuple[np.ndarray, torch.Tensor
     """Page-locked host memory of exactly ``nbytes`` (torch's pinned
     allocator rounds every request up to a power of two): fresh anonymous
     pages registered with CUDA, unregistered when ``owner`` is collected;
-    torch's pinned memory where registration fails.  Returns the memory as
+    torch's pinned memory where registration fails or the CUDA runtime
+    library cannot be loaded.  Returns the memory as
     numpy and torch, and the unregistering finalizer (None for torch's)."""
     import mmap
     import weakref
 
+    if not cudart.available():
+        # A failed registration leaves its error in the runtime's last-error
+        # slot, to surface at the next kernel launch; without the library
+        # nothing could clear it, so nothing is registered.
+        tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return tensor.numpy(), tensor, None
     mapping = mmap.mmap(-1, max(nbytes, 1))
     array = np.frombuffer(mapping, dtype=np.uint8)
     address = array.ctypes.data
