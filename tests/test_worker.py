@@ -774,6 +774,26 @@ def test_with_no_room_for_staging_buffers_at_start_up_the_worker_warns_and_still
     assert asked[-1] == (True, False) and "buffers (128 MiB)" in caplog.text
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_staging_buffers_stay_out_of_the_memory_pool_the_caches_are_registered_in(tmp_path):
+    """vLLM 0.33 registers the KV caches inside its sleep-mode allocator's
+    ``runtime`` pool, which it copies to the host at every sleep: the
+    staging buffers, given back at a sleep and taken again at wake-up, are
+    taken outside it."""
+    store = open_store(f"disk://{tmp_path}/store")
+    caches = _caches(0, "cuda")
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        w = _worker(store, caches)
+    try:
+        assert w.transfer._gather_ring.buffer is not None and w.transfer._scatter_ring.buffer is not None
+        in_pool = sum(segment["total_size"] for segment in pool.snapshot())
+        assert in_pool < w.transfer.staging_nbytes, f"{in_pool} bytes taken in the caller's pool"
+    finally:
+        w.close()
+        store.close()
+
+
 @pytest.mark.parametrize("mode", ["async", "layer"])
 def test_sleep_mode_waits_for_the_loads_in_flight_and_gives_the_staging_back(tmp_path, mode, device):
     """vLLM 0.33 calls unregister_kv_caches just before it unmaps the KV

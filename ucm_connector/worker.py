@@ -166,10 +166,28 @@ class UCMWorker:
 
     def _reserve_staging(self) -> None:
         """At start-up (and waking up), where a shortage is seen at once,
-        not at the first copy."""
+        not at the first copy.  On a thread of its own: vLLM 0.33 registers
+        the caches inside a pool of its sleep-mode allocator (``runtime``,
+        copied to the host at every sleep and back at wake-up), and torch
+        routes only the calling thread's allocations to a pool.  Buffers
+        taken in there and given back at a sleep would stay in that pool,
+        and waking up would take another set."""
         loads, saves = self.copies
+        failed: list[BaseException] = []
+
+        def reserve() -> None:
+            try:
+                self.transfer.bind_thread()
+                self.transfer.reserve_staging(self.save_pool.row_nbytes, gather=saves, scatter=loads)
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=reserve, name="ucm-staging")
+        thread.start()
+        thread.join()
         try:
-            self.transfer.reserve_staging(self.save_pool.row_nbytes, gather=saves, scatter=loads)
+            if failed:
+                raise failed[0]
         except torch.OutOfMemoryError:
             logger.warning("ucm-connector: no room on the GPU for the KV staging buffers (%d"
                            " MiB) after vLLM took its KV cache; each copy tries again, and a save or load that"
