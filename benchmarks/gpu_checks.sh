@@ -17,7 +17,11 @@
 #             ucm_connector/cudart.py makes through ctypes, nor Triton's
 #             kernels
 #   worker    gpu_worker_bench.py: the worker's loads and saves against raw
-#             copies, and saves inside a stand-in forward pass (worker.*)
+#             copies, and saves inside a stand-in forward pass (worker.*);
+#             again with 512 blocks (1 GiB, an 8k-token prefill's save),
+#             where a save gathered after the forward pass holds the next
+#             one's kernels for all but the staging ring's worth of its
+#             copies to the host (worker512.*)
 #   checksum  checksum_bench.py: xxh3 of sealed rows on 1..8 threads (checksum.*)
 #   sparse    gpu_sparse_bench.py at 8k and 32k: selection, a reused choice,
 #             attention over the kept blocks against dense (sparse.*)
@@ -42,7 +46,9 @@ for part in $PARTS; do
         sanitize) TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -k "cuda and not cpu_tensors" \
                       tests/test_transfer.py tests/test_worker.py tests/test_checksums.py tests/test_sparse_select.py \
                       > "$OUT/sanitize.txt" 2>&1 ;;
-        worker)   python3 benchmarks/gpu_worker_bench.py --json "$OUT/worker.json" > "$OUT/worker.txt" 2>&1 ;;
+        worker)   python3 benchmarks/gpu_worker_bench.py --json "$OUT/worker.json" > "$OUT/worker.txt" 2>&1 &&
+                  python3 benchmarks/gpu_worker_bench.py --blocks 512 --json "$OUT/worker512.json" \
+                      > "$OUT/worker512.txt" 2>&1 ;;
         checksum) python3 benchmarks/checksum_bench.py --blocks 128 --block-mib 2 --json "$OUT/checksum.json" \
                       > "$OUT/checksum.txt" 2>&1 ;;
         sparse)   python3 benchmarks/gpu_sparse_bench.py --contexts 8192 32768 --steps 10 --json "$OUT/sparse.json" \
