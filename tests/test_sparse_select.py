@@ -302,6 +302,45 @@ def test_a_call_whose_only_decode_rows_come_after_the_first_128_counts_as_a_deco
     assert after.decode_rows - before.decode_rows == 2
 
 
+@pytest.mark.parametrize("device, kernels", PATHS)
+@pytest.mark.parametrize("score", ["bound", "mean"])
+def test_a_summary_that_scores_nan_never_pushes_out_the_sinks_or_the_last_blocks(device, kernels, score):
+    """A block whose summary bounds no key (min +inf, max -inf: 0 * inf is
+    NaN in Quest's bound), or whose keys were NaN: topk ranks NaN above the
+    forced blocks' inf.  The row still reads its sink and its last blocks,
+    never that block, and the other rows choose as they would without it."""
+    lens = [1500, 977, 700]
+    options = {"keep_ratio": 0.25, "score": score}
+    selections, poisoned = [], None
+    for poison in (False, True):
+        reqs = Requests(device, lens, [1] * 3, seed=4)
+        method = _method(options, kernels)
+        reqs.start(method)
+        layer = method._layers["layers.0"]
+        if poison:
+            block = reqs.tables[0][10]          # neither a sink nor in the local window
+            poisoned = block
+            if score == "bound":
+                layer.kmax[block] = float("-inf")
+                layer.kmin[block] = float("inf")
+            else:
+                layer.part_sum[block] = float("nan")
+        selection = method.before_attention(reqs.step("layers.0", step=2))
+        selections.append((selection.block_table.cpu(), selection.seq_lens.cpu()))
+    (clean_table, clean_lens), (table, seq_lens) = selections
+    assert torch.equal(seq_lens, clean_lens) and seq_lens.tolist() == _thinned_lens(lens, 16, 0.25)
+    keep = _cdiv(int(seq_lens[0]), 16)
+    chosen = table[0, :keep].tolist()
+    own = reqs.tables[0]
+    assert poisoned not in chosen
+    assert chosen[0] == own[0], "the sink block was pushed out"
+    assert chosen[-1] == own[-1], "the block of the current token was pushed out"
+    assert len(set(chosen)) == keep and set(chosen) <= set(own)
+    for r in (1, 2):
+        n = _cdiv(int(seq_lens[r]), 16)
+        assert torch.equal(table[r, :n], clean_table[r, :n])
+
+
 @pytest.mark.skipif(len(PATHS) == len(DEVICES), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("score", ["mean", "bound", "channels"])
 def test_the_kernels_keep_the_summaries_the_torch_path_keeps(score):
@@ -378,10 +417,11 @@ def _llama_step(device, q_len: int = 1):
 
 
 # What a decode layer call of the torch path dispatches, views included
-# (counted here: 48 for a later layer of a step; 162 for a step's first
-# layer, which also works out the rows' tensors that all layers share).  The
-# selection this replaced dispatched 154 on every call, 9 of them waiting.
-LATER_LAYER_OPS, FIRST_LAYER_OPS = 50, 170
+# (counted here: 50 for a later layer of a step, two of them making NaN
+# scores -inf; 164 for a step's first layer, which also works out the rows'
+# tensors that all layers share).  The selection this replaced dispatched
+# 154 on every call, 9 of them waiting.
+LATER_LAYER_OPS, FIRST_LAYER_OPS = 52, 170
 
 
 def test_a_decode_layer_call_on_cpu_dispatches_no_host_synchronising_op():

@@ -211,7 +211,7 @@ def test_where_pages_cannot_be_read_a_block_with_a_rewritten_slot_loses_its_summ
 
 
 # What a later layer's call of a step of verifying rows dispatches on the
-# torch path (counted here: 70; 48 for rows of one token, whose keys the
+# torch path (counted here: 72; 50 for rows of one token, whose keys the
 # Triton path folds in its scoring kernel): the keys folded in torch ops,
 # and the blocks they complete summarised again from their pages.
 VERIFY_LAYER_OPS = 75

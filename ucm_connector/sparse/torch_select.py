@@ -34,7 +34,9 @@ def select(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: 
     t = plan.tensors(batch)
     table, seq_lens = plan.outputs(batch)
     forced = t.forced if unsummarized is None else t.forced | unsummarized
-    block_scores = scores(layer, batch, plan, score).masked_fill(forced, float("inf"))
+    # A NaN share (keys that were NaN; a row whose every logit was -inf)
+    # must not outrank the forced blocks: topk ranks NaN above inf.
+    block_scores = _no_nan(scores(layer, batch, plan, score)).masked_fill(forced, float("inf"))
     # Positions past a row's blocks never win, even over blocks whose
     # share underflowed to zero.
     block_scores.masked_fill_(t.invalid, float("-inf"))
@@ -71,7 +73,12 @@ def scores(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: 
         summaries = layer.minmax.view(-1, 2 * d).index_select(0, t.head_index).view(n * h, width, 2 * d)
         q = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
         logits = torch.bmm(q, summaries.transpose(1, 2)).view(n, num_heads, width).mul_(batch.scale)
-        logits.masked_fill_(t.invalid_by_head, float("-inf"))
+        # A block whose summary bounds no key (min +inf, max -inf) scores
+        # 0 * inf = NaN in the channels where the query is 0 or of the other
+        # sign; so does one whose keys were NaN, in either score: such a
+        # block is worth nothing, rather than turning the whole row's
+        # softmax into NaN.
+        _no_nan(logits).masked_fill_(t.invalid_by_head, float("-inf"))
     else:
         parts = layer.parts
         # Slices of one token (``channels``) hold one key: each one's
@@ -94,6 +101,7 @@ def scores(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: 
         if not one_key:
             logits.mul_(factor)
         logits = logits.add_(log_count) if logits.dtype == log_count.dtype else logits + log_count
+        _no_nan(logits)
         if parts > 1:
             # Each block's share is its slices' shares summed: the softmax
             # over every slice of the row, which is the softmax of the
@@ -102,6 +110,11 @@ def scores(layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan, score: 
             return shares.view(n, num_heads, width, parts).sum(dim=-1).mean(dim=1)
         logits = logits.squeeze(-1)
     return logits.softmax(dim=-1).mean(dim=1)
+
+
+def _no_nan(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with NaN made -inf (infinities kept), in place."""
+    return t.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
 def _take_rows(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

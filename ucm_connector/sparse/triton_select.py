@@ -242,6 +242,10 @@ if triton is not None:
                     m = m_new
             if P > 1:
                 logit = tl.where(m == float("-inf"), float("-inf"), m + tl.log(acc))
+        # A summary that bounds no key (min +inf, max -inf: 0 * inf), or one
+        # of NaN keys, gives NaN: the block is worth nothing, rather than
+        # the whole row's softmax turning NaN (as in torch_select).
+        logit = tl.where(logit == logit, logit, float("-inf"))
         out = out_ptr + (r * (H * G) + h * G + g[:, None]) * width + j[None, :]
         tl.store(out, logit, mask=(g[:, None] < G) & (j[None, :] < width))
 
@@ -317,6 +321,8 @@ if triton is not None:
                 e = e / tl.sum(e, axis=1)[:, None]
                 share += tl.sum(tl.where(heads[:, None] < HQ, e, 0.0), axis=0)
             score = share / HQ
+            # NaN would outrank the forced blocks' inf in the bit order below.
+            score = tl.where(score == score, score, float("-inf"))
             forced = ((j < SINK) | (j >= n - tail)) & valid
             score = tl.where(forced, float("inf"), score)
             score = tl.where(valid, score, float("-inf"))
