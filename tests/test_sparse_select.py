@@ -303,6 +303,27 @@ def test_a_call_whose_only_decode_rows_come_after_the_first_128_counts_as_a_deco
 
 
 @pytest.mark.parametrize("device, kernels", PATHS)
+@pytest.mark.parametrize("options", [{"keep_ratio": 0.25}, {"keep_ratio": 0.25, "score": "bound"}],
+                         ids=["mean", "bound"])
+def test_rows_without_query_tokens_are_left_alone_and_the_others_still_thinned(device, kernels, options):
+    """Rows of no query token (requests a batch is padded with), in the
+    middle and at the end: not thinned, and no other row's query or key is
+    taken for theirs (with one token for each of the other rows the call
+    is no decode-only call, whose rows are its tokens)."""
+    lens = [700, 333, 1500, 977]
+    reqs = Requests(device, lens, [1, 0, 1, 0], seed=6)
+    method = _method(options, kernels)
+    reqs.start(method)
+    batch = reqs.step("layers.0", step=2)
+    selection = method.before_attention(batch)
+    reference = _reference(method.options, method._layers["layers.0"], batch)
+    rows, real = _differences(selection, reference, batch)
+    assert rows == 2 and real == 0
+    assert selection.seq_lens.tolist() == [_thinned_lens([700], 16, 0.25)[0], 333,
+                                           _thinned_lens([1500], 16, 0.25)[0], 977]
+
+
+@pytest.mark.parametrize("device, kernels", PATHS)
 @pytest.mark.parametrize("score", ["bound", "mean"])
 def test_a_summary_that_scores_nan_never_pushes_out_the_sinks_or_the_last_blocks(device, kernels, score):
     """A block whose summary bounds no key (min +inf, max -inf: 0 * inf is

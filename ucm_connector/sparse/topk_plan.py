@@ -58,7 +58,9 @@ class StepPlan:
         self.dense = dense
         self.below_threshold = False        # dense because of dense_below alone
         self.step_reqs_noted = False        # this step's requests noted as skipped / rebuilt (SummaryKeeper)
-        self.decode_only = batch.max_query_len == 1
+        # One query token in every row, its row's index: a row of none (a
+        # request vLLM pads the batch with) would shift the rest.
+        self.decode_only = batch.max_query_len == 1 and batch.query.shape[0] == self.num_rows
         self.uncounted_calls = 0            # calls counted on the host, not yet added to the device counters
         self.call_increment: torch.Tensor | None = None    # what each of those adds
         self._write: WritePlan | None = None
@@ -186,7 +188,9 @@ class RowTensors:
                                  torch.full_like(self.table, block_size))
         self.forced = ((pos < options.sink_blocks) | (pos >= row_blocks - tail)) & self.valid
         self.in_budget = torch.arange(keep_max, device=device).unsqueeze(0) < self.keep.unsqueeze(1)
-        self.q_index = qsl[:num_rows].to(torch.int64)
+        # A row without query tokens at the end starts past the last token;
+        # such a row is not thinned, and any token will do for its scores.
+        self.q_index = qsl[:num_rows].to(torch.int64).clamp_(max=max(batch.query.shape[0] - 1, 0))
         self.seq_lens = torch.where(self.thin, (self.keep - 1) * block_size + self.last_fill,
                                     seq_lens).to(batch.seq_lens.dtype)
 

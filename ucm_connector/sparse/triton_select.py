@@ -157,7 +157,10 @@ if triton is not None:
         if Q_IN_ORDER:
             tok = r.to(tl.int64)
         else:
-            tok = tl.load(qsl_ptr + r).to(tl.int64)
+            # A row without query tokens (not thinned: any token will do)
+            # may start past the last one.
+            first = tl.load(qsl_ptr + r).to(tl.int64)
+            tok = tl.where(tl.load(qsl_ptr + r + 1) > first, first, 0)
         g = tl.arange(0, GP)
         d = tl.arange(0, DP)
         dmask = d < D
