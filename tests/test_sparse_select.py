@@ -573,6 +573,29 @@ def test_a_request_that_wrote_keys_while_calls_were_dense_keeps_the_layers_rebui
     assert not layer.behind
 
 
+def test_a_layer_left_behind_rebuilds_again_only_at_steps_that_run_a_request_it_has_not_covered():
+    """A request that wrote keys while calls were dense and then does not
+    run: the next thinned step rebuilds its rows once; steps without that
+    request rebuild nothing (their rows' summaries are current), one that
+    runs it again rebuilds."""
+    reqs = Requests("cpu", [900, 600, 1200], [6] * 3, seed=3)
+    method = _method({"keep_ratio": 0.25, "dense_below": 1196}, "torch")
+    reqs.start(method)
+    layer = method._layers["layers.0"]
+    rebuilt = []
+    for step, back, extra in ((2, 5, {"rX"}), (3, 4, set()), (4, 3, set()), (5, 2, {"rX"}), (6, 1, set())):
+        method.begin_step(StepInfo(16, scheduled_req_ids=frozenset(reqs.req_ids) | extra))
+        selection = method.before_attention(_decode(reqs, "layers.0", step, back))
+        assert (selection is None) == (step == 2)               # longest row 1,195: dense
+        rebuilt.append(method.stats().blocks_summarized_from_pages)
+        if step == 3:
+            assert layer.behind                                 # rX's keys are still unfolded
+    assert rebuilt[0] == 0 and rebuilt[1] == 56 + 38 + 75      # the rows read at step 3
+    assert rebuilt[2] == rebuilt[1]                             # step 4: nothing
+    assert rebuilt[3] > rebuilt[2]                              # rX again
+    assert rebuilt[4] == rebuilt[3] and not layer.behind
+
+
 def test_a_call_left_dense_dispatches_nothing_beyond_its_counters():
     reqs = Requests("cpu", [900, 600, 1200], [1, 1, 1], seed=3)
     method = _method({"keep_ratio": 0.25, "dense_below": 4096}, "torch")

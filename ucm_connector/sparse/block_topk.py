@@ -321,7 +321,7 @@ class BlockTopK(SparseMethod):
         triton = self._use_triton(device)
         checking = keeper.checking()
         has_keys = batch.key is not None and batch.slot_mapping is not None
-        if layer.behind and not plan.dense and batch.pages is not None:
+        if not plan.dense and batch.pages is not None and keeper.due(layer):
             keeper.catch_up(layer, batch, plan, epochs, totals)
             has_keys = False                   # the pages already hold this call's keys
         reuse = not plan.dense and not checking and self._kept.reusable(batch.layer_name)

@@ -165,6 +165,11 @@ class LayerSummaries:
         # Keys went by unfolded (calls left dense below a length threshold):
         # the blocks the next thinned call reads are rebuilt from their pages.
         self.behind = False
+        # Of a layer left behind after a rebuild: the requests whose keys it
+        # still has not seen (none of them ran in that step); it rebuilds
+        # again only at a step one of them runs in (``SummaryKeeper.due``).
+        # None: at its next thinned call.
+        self.awaited: set[str] | None = None
         # Under speculative decoding with pages that cannot be read: keys
         # folded into each block since it started (``distrust_rewritten``).
         self.folded: torch.Tensor | None = None

@@ -11,8 +11,9 @@ running when the method started or its summaries were made again (found by
 a census at the next step that names its requests; their blocks are looked
 for on the device, ``refresh_stale``, until they finish), and those
 scheduled in steps left dense by ``dense_below`` (a layer left behind
-rebuilds the blocks its rows read from the pages, ``catch_up``, until
-every such request has been covered or has finished).
+rebuilds the blocks its rows read from the pages, ``catch_up``, at its next
+thinned call and then at each step that runs a request it has not covered
+yet, until every such request has been covered or has finished).
 
 What it must not do: choose blocks, or wait for the device except in
 ``refresh_stale`` (``checking`` says when that is needed).  Knows tensors
@@ -137,6 +138,10 @@ class SummaryKeeper:
                                          [dst for _, dst in step.block_copies])
         self._step_reqs = None if step.scheduled_req_ids is None else set(step.scheduled_req_ids)
         self._skipped_reqs -= step.finished_req_ids
+        if step.finished_req_ids:
+            for layer in self.layers.values():
+                if layer.awaited:
+                    layer.awaited -= step.finished_req_ids
         if step.scheduled_req_ids is None:
             self._unseen_reqs, self._census_due = None, False
         elif self._census_due:
@@ -242,6 +247,7 @@ class SummaryKeeper:
         (that would cost launches a dense call does not otherwise pay); the
         layer's next thinned call rebuilds what its rows read (``catch_up``)."""
         layer.behind = True
+        layer.awaited = None
         self.left_dense(plan)
 
     def left_dense(self, plan: StepPlan) -> None:
@@ -250,6 +256,20 @@ class SummaryKeeper:
         if not plan.step_reqs_noted:
             plan.step_reqs_noted = True
             self._skipped_reqs |= self._step_reqs if self._step_reqs is not None else set()
+
+    def due(self, layer: LayerSummaries) -> bool:
+        """Whether a thinned call of ``layer`` must rebuild what its rows
+        read (``catch_up``): the layer is behind, and either it has not
+        rebuilt since, or a request whose keys it has not seen runs in this
+        step (or which ones run is not known)."""
+        if not layer.behind:
+            return False
+        if layer.awaited is None or self._step_reqs is None:
+            return True
+        if not layer.awaited:               # every one of them has finished
+            layer.behind = False
+            return False
+        return not layer.awaited.isdisjoint(self._step_reqs)
 
     def catch_up(self, layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan,
                  epochs: torch.Tensor, totals: torch.Tensor) -> None:
@@ -269,6 +289,7 @@ class SummaryKeeper:
             else:
                 self._skipped_reqs -= self._step_reqs
         layer.behind = bool(self._skipped_reqs)
+        layer.awaited = set(self._skipped_reqs) if layer.behind else None
 
     def refresh_stale(self, layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan,
                       epochs: torch.Tensor, host_stats: SparseStats) -> torch.Tensor | None:
