@@ -754,7 +754,11 @@ def main(argv: list[str] | None = None) -> dict:
     warm_up = None
     if "triton" in args.paths and triton_select.available():
         # First, while no kernel has been compiled in this process.
-        warm_up = measure_warm_up(shapes, args.contexts)
+        try:
+            warm_up = measure_warm_up(shapes, args.contexts)
+        except Exception as exc:        # the timings below still stand
+            traceback.print_exc()
+            warm_up = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"warm-up: {warm_up}", flush=True)
     results: list[dict] = []
     for context in sorted(args.contexts):
