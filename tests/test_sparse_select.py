@@ -324,14 +324,17 @@ def test_rows_without_query_tokens_are_left_alone_and_the_others_still_thinned(d
 
 
 @pytest.mark.parametrize("device, kernels", PATHS)
-@pytest.mark.parametrize("score", ["bound", "mean"])
+@pytest.mark.parametrize("score", ["bound", "mean", "parts"])
 def test_a_summary_that_scores_nan_never_pushes_out_the_sinks_or_the_last_blocks(device, kernels, score):
     """A block whose summary bounds no key (min +inf, max -inf: 0 * inf is
     NaN in Quest's bound), or whose keys were NaN: topk ranks NaN above the
     forced blocks' inf.  The row still reads its sink and its last blocks,
-    never that block, and the other rows choose as they would without it."""
+    never that block, and the other rows choose as they would without it.
+    With slices (``parts``), one slice of NaN keys costs the block that
+    slice's share only: the row chooses as it does without it, in both
+    paths."""
     lens = [1500, 977, 700]
-    options = {"keep_ratio": 0.25, "score": score}
+    options = {"keep_ratio": 0.25, "score": score} if score != "parts" else {"keep_ratio": 0.25, "parts": 4}
     selections, poisoned = [], None
     for poison in (False, True):
         reqs = Requests(device, lens, [1] * 3, seed=4)
@@ -344,8 +347,10 @@ def test_a_summary_that_scores_nan_never_pushes_out_the_sinks_or_the_last_blocks
             if score == "bound":
                 layer.kmax[block] = float("-inf")
                 layer.kmin[block] = float("inf")
-            else:
+            elif score == "mean":
                 layer.part_sum[block] = float("nan")
+            else:
+                layer.part_sum[block, 3] = float("nan")
         selection = method.before_attention(reqs.step("layers.0", step=2))
         selections.append((selection.block_table.cpu(), selection.seq_lens.cpu()))
     (clean_table, clean_lens), (table, seq_lens) = selections
@@ -353,13 +358,43 @@ def test_a_summary_that_scores_nan_never_pushes_out_the_sinks_or_the_last_blocks
     keep = _cdiv(int(seq_lens[0]), 16)
     chosen = table[0, :keep].tolist()
     own = reqs.tables[0]
-    assert poisoned not in chosen
+    if score == "parts":
+        # Its other slices still count: at most that block changes places.
+        assert len(set(chosen) ^ set(clean_table[0, :keep].tolist())) <= 2
+    else:
+        assert poisoned not in chosen
     assert chosen[0] == own[0], "the sink block was pushed out"
     assert chosen[-1] == own[-1], "the block of the current token was pushed out"
     assert len(set(chosen)) == keep and set(chosen) <= set(own)
     for r in (1, 2):
         n = _cdiv(int(seq_lens[r]), 16)
         assert torch.equal(table[r, :n], clean_table[r, :n])
+
+
+@pytest.mark.skipif(len(PATHS) == len(DEVICES), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
+def test_the_kernels_score_a_slice_of_nan_keys_as_the_torch_path_does():
+    """One slice of a chosen block holds NaN: both paths give that slice no
+    share and keep the block's others, so they choose alike."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lens = [1500, 977, 700]
+    chosen = {}
+    for kernels in ("torch", "triton"):
+        reqs = Requests(device, lens, [1] * 3, seed=4)
+        method = _method({"keep_ratio": 0.25, "parts": 4}, kernels)
+        reqs.start(method)
+        if not chosen:
+            clean = method.before_attention(reqs.step("layers.0", step=2)).block_table[0].tolist()
+            reqs = Requests(device, lens, [1] * 3, seed=4)
+            method = _method({"keep_ratio": 0.25, "parts": 4}, kernels)
+            reqs.start(method)
+            # A block the clean choice took that is neither a sink nor in the local window.
+            poisoned = next(b for b in clean[1:] if b in reqs.tables[0][1:-2])
+        method._layers["layers.0"].part_sum[poisoned, 3] = float("nan")
+        selection = method.before_attention(reqs.step("layers.0", step=2))
+        chosen[kernels] = (selection.block_table.cpu(), selection.seq_lens.cpu())
+    assert torch.equal(chosen["torch"][1], chosen["triton"][1])
+    keep = _cdiv(int(chosen["torch"][1][0]), 16)
+    assert chosen["torch"][0][0, :keep].tolist() == chosen["triton"][0][0, :keep].tolist()
 
 
 @pytest.mark.skipif(len(PATHS) == len(DEVICES), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")

@@ -235,6 +235,7 @@ if triton is not None:
                 dot = tl.sum(q[:, None, :] * summ[None, :, :], axis=2)             # [GP, TJ]
                 count = tl.minimum(tl.maximum(fill - p * PS, 0), PS).to(tl.float32)
                 lp = dot * (scale / tl.maximum(count, 1.0))[None, :] + tl.log(count)[None, :]
+                lp = tl.where(lp == lp, lp, float("-inf"))       # a slice of NaN keys: worth nothing
                 if P == 1:
                     logit = lp
                 else:
