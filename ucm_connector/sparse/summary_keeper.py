@@ -201,7 +201,9 @@ class SummaryKeeper:
                 layer = LayerSummaries(*shape, device, parts=parts, bounds=self._bounds, made_at=made_at)
             except torch.OutOfMemoryError:
                 self._no_room(batch.layer_name, need, device)
-            layer.behind = self._parts is None
+            # Requests whose keys went by in calls left dense are still
+            # to be rebuilt in these summaries too.
+            layer.behind = self._parts is None or bool(self._skipped_reqs)
             self.layers[batch.layer_name] = layer
         if batch.pages is None:
             self._no_pages = True
