@@ -46,9 +46,12 @@ for part in $PARTS; do
         sanitize) TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -k "cuda and not cpu_tensors" \
                       tests/test_transfer.py tests/test_worker.py tests/test_checksums.py tests/test_sparse_select.py \
                       > "$OUT/sanitize.txt" 2>&1 ;;
-        worker)   python3 benchmarks/gpu_worker_bench.py --json "$OUT/worker.json" > "$OUT/worker.txt" 2>&1 &&
+        worker)   python3 benchmarks/gpu_worker_bench.py --json "$OUT/worker.json" > "$OUT/worker.txt" 2>&1
+                  first=$?
                   python3 benchmarks/gpu_worker_bench.py --blocks 512 --json "$OUT/worker512.json" \
-                      > "$OUT/worker512.txt" 2>&1 ;;
+                      > "$OUT/worker512.txt" 2>&1
+                  second=$?
+                  [ $first -eq 0 ] && [ $second -eq 0 ] ;;
         checksum) python3 benchmarks/checksum_bench.py --blocks 128 --block-mib 2 --json "$OUT/checksum.json" \
                       > "$OUT/checksum.txt" 2>&1 ;;
         sparse)   python3 benchmarks/gpu_sparse_bench.py --contexts 8192 32768 --steps 10 --json "$OUT/sparse.json" \
