@@ -142,6 +142,8 @@ class SummaryKeeper:
             for layer in self.layers.values():
                 if layer.awaited:
                     layer.awaited -= step.finished_req_ids
+                    if not layer.awaited:       # every one of them has finished
+                        layer.behind, layer.awaited = False, None
         if step.scheduled_req_ids is None:
             self._unseen_reqs, self._census_due = None, False
         elif self._census_due:
@@ -266,12 +268,7 @@ class SummaryKeeper:
         step (or which ones run is not known)."""
         if not layer.behind:
             return False
-        if layer.awaited is None or self._step_reqs is None:
-            return True
-        if not layer.awaited:               # every one of them has finished
-            layer.behind = False
-            return False
-        return not layer.awaited.isdisjoint(self._step_reqs)
+        return layer.awaited is None or self._step_reqs is None or not layer.awaited.isdisjoint(self._step_reqs)
 
     def catch_up(self, layer: LayerSummaries, batch: AttentionBatch, plan: StepPlan,
                  epochs: torch.Tensor, totals: torch.Tensor) -> None:

@@ -215,7 +215,10 @@ if triton is not None:
             qpos = tl.maximum(q, 0.0)
             qneg = tl.minimum(q, 0.0)
             logit = tl.sum(qpos[:, None, :] * kmax[None, :, :] + qneg[:, None, :] * kmin[None, :, :], axis=2)
-            logit = logit * scale
+            # A summary that bounds no key (min +inf, max -inf) gives NaN
+            # (0 * inf), as do NaN keys: the block is worth nothing, rather
+            # than the whole row's softmax turning NaN (as in torch_select).
+            logit = tl.where(logit == logit, logit * scale, float("-inf"))
             logit = tl.where(valid[None, :], logit, float("-inf"))
         else:
             last_fill = seq - (n - 1) * BS
@@ -246,10 +249,6 @@ if triton is not None:
                     m = m_new
             if P > 1:
                 logit = tl.where(m == float("-inf"), float("-inf"), m + tl.log(acc))
-        # A summary that bounds no key (min +inf, max -inf: 0 * inf), or one
-        # of NaN keys, gives NaN: the block is worth nothing, rather than
-        # the whole row's softmax turning NaN (as in torch_select).
-        logit = tl.where(logit == logit, logit, float("-inf"))
         out = out_ptr + (r * (H * G) + h * G + g[:, None]) * width + j[None, :]
         tl.store(out, logit, mask=(g[:, None] < G) & (j[None, :] < width))
 
