@@ -188,6 +188,13 @@ def run_spec(spec: dict, workdir, name: str, *, timeout: float, runner: str | No
         json.dump(spec, f)
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
                 "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    if full_env.get("OMP_NUM_THREADS"):
+        # vLLM's n-gram drafter runs numba on the OpenMP runtime torch
+        # computes on, and after each draft sets its thread count back to
+        # numba's own (one per CPU, unless this says otherwise): a run held
+        # to one thread then computes on every CPU, and two runs side by side
+        # took 70 s for what each did in 22 s alone.
+        full_env.setdefault("NUMBA_NUM_THREADS", full_env["OMP_NUM_THREADS"])
     done = run_script([runner or os.path.abspath(__file__), spec_path, out_path], env=full_env, cwd=ROOT,
                       output=log_path, timeout=timeout)
     out = {}

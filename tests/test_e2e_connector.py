@@ -483,7 +483,7 @@ def engines(tmp_path_factory, request):
     spec_turns = [_gen("spec_t1", [SPEC_PROMPT], 300),
                   _gen("spec_t2", [{"from": "spec_t1", "index": 0, "append": SPEC_NEXT}])]
     eng.add(Run("ref-spec", {"model": SMOL, "store": None, "prefix_caching": True, "speculative": SPECULATIVE,
-                             "steps": spec_turns}, cost=4))
+                             "steps": spec_turns}, cost=2))
     eng.add(Run("spec", connector(f"disk://{workdir}/store-spec", [
         spec_turns[0], {"op": "flush", "name": "spec_flush", "quiet_s": 1.0},
         {"op": "reset_prefix_cache", "name": "spec_reset"}, spec_turns[1],
