@@ -17,6 +17,10 @@ Engines (started once per module, one at a time):
 * ``compiled``: ``main``'s first steps with torch.compile on
   (``enforce_eager=False``), where the attention op is a split point of the
   compiled graph.
+* ``speculative`` and ``plain`` (SmolLM2): two prompts that repeat
+  themselves, with n-gram drafts and without, dense and then thinned; vLLM's
+  prefix cache on, so each prompt is computed once and the later steps start
+  from its cached blocks.
 * ``loads``: UCMConnector on a fresh disk store and a KV cache of 12 blocks,
   so that every request reuses the same physical blocks: P is computed, then
   loaded from the store twice, once into blocks that held P and once into
@@ -189,13 +193,22 @@ def _speculative_steps(prompts) -> list[dict]:
     ]
 
 
+# The speculative and plain engines keep vLLM's prefix cache: each prompt is
+# computed once, and every later step starts with its full blocks cached, so
+# the method summarises them from the pages (``RequestStart``) rather than
+# from the forward that wrote them.
+def _prefix_cache_hits(run: dict) -> list[list[int]]:
+    return [step["cached"] for step in run.values() if "cached" in step]
+
+
 @pytest.fixture(scope="module")
 def speculative_run():
     if not os.path.isdir(SMOL):
         pytest.skip("models/smollm2-135m missing: run `make models`")
     speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     steps = _speculative_steps(_speculative_prompts())
-    return _run("speculative", {"model": SMOL, "speculative": speculative, "steps": steps})["steps"]
+    return _run("speculative", {"model": SMOL, "speculative": speculative, "prefix_caching": True,
+                                "steps": steps})["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -208,11 +221,18 @@ def plain_run():
     steps = [step for step in _speculative_steps(prompts) if step.get("name") in (None, "dense", "topk_3")]
     steps += [{"op": "sparse", "config": {"method": "block_topk", "budget_blocks": 3, **CHANNELS}},
               _gen("topk_3_channels", prompts, max_tokens=32)]
-    return _run("plain", {"model": SMOL, "steps": steps})["steps"]
+    return _run("plain", {"model": SMOL, "prefix_caching": True, "steps": steps})["steps"]
 
 
 # Every key scored on a quarter of its 64 channels.
 CHANNELS = {"channels": 16}
+
+
+def test_the_speculative_and_plain_engines_compute_each_prompt_once(speculative_run, plain_run):
+    for run in (speculative_run, plain_run):
+        first, *later = _prefix_cache_hits(run)
+        assert first == [0, 0] and len(later) >= 2
+        assert all(hits == [11 * BLOCK, 14 * BLOCK] for hits in later), later
 
 
 def test_under_speculative_decoding_a_method_that_reads_every_block_gives_dense_outputs(speculative_run):
