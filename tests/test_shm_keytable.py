@@ -209,7 +209,7 @@ def test_published_locations_prove_only_current_values_through_every_change():
     rng = random.Random(3)
     remembered: set[tuple[int, int]] = set()       # (key number, slot) seen at any step
     seen = collections.Counter()
-    for step in range(1200):
+    for step in range(600):
         roll = rng.random()
         if roll < 0.7:
             picked = rng.sample(universe, rng.randint(1, 4))
