@@ -16,6 +16,7 @@ import torch
 
 from ucm_connector.cache_views import (LAYOUTS, PAGE_ORDER, block_major_caches, fill_random_, kv_first_caches,
                                        mla_caches, vllm_layer_caches)
+from ucm_connector import staging
 from ucm_connector.transfer import BlockTransfer
 
 HAS_CUDA = torch.cuda.is_available()
@@ -517,7 +518,36 @@ def logged_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    # Block ids go through a ring of (here unpinned) memory of the test's own.
+    monkeypatch.setattr(staging, "_PINNED_IDS", staging._PinnedIds())
     return log
+
+
+def test_block_ids_reuse_a_slice_of_pinned_memory_only_after_the_copy_that_read_it(logged_streams, monkeypatch):
+    """Block ids reach the device from a ring of memory pinned once (pinning
+    a buffer per copy cost the engine thread about 0.25 ms for every part of
+    a save on an H100 machine): each copy reads a slice of its own, and the
+    host waits for the copy that last read a slice before writing it again,
+    never for one whose slice it does not overlap.  More ids than half the
+    ring take memory of their own."""
+    monkeypatch.setattr(staging._PinnedIds, "CAPACITY", 8)
+    stream = torch.cuda.Stream()
+    uploads = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20]]
+    got, waits = [], []
+    for values in uploads:
+        before = len(logged_streams)
+        got.append(staging.ids_on_device(torch.device("cpu"), values, stream).tolist())
+        waits.append([e for e in logged_streams[before:] if e[1] == "synchronized"])
+    assert got == uploads
+    ring = staging._PINNED_IDS
+    # Slices [0,3) [3,6), then round to the start: [0,3) waits for the first
+    # copy, [3,5) for the second, [5,6) for none (the second's, waited for),
+    # round again: [0,3) waits for the third.  The last takes its own memory.
+    sleeping = "sleeping"
+    assert waits == [[], [], [("event0", "synchronized", sleeping)], [("event1", "synchronized", sleeping)], [],
+                     [("event2", "synchronized", sleeping)], []]
+    assert ring.host[:3].tolist() == [13, 14, 15] and ring.host[3:6].tolist() == [10, 11, 12]
+    assert [(lo, hi) for lo, hi, _ in ring.reads] == [(3, 5), (5, 6), (0, 3)]
 
 
 def _cuda_path(caches, staging_nbytes):

@@ -247,15 +247,16 @@ def test_a_bad_block_is_reported_dropped_and_the_others_loaded(store, mode, devi
 
 
 def test_a_save_goes_to_the_writer_in_parts_and_every_block_arrives(store, device, monkeypatch):
-    """A save larger than SAVE_PART_NBYTES is gathered and written a part at
-    a time (the writer puts one while the next is gathered); every block
-    still arrives whole, in its own key."""
+    """A save larger than SAVE_PART_NBYTES (on CUDA SAVE_PART_NBYTES_CUDA)
+    is gathered and written a part at a time (the writer puts one while the
+    next is gathered); every block still arrives whole, in its own key."""
     from ucm_connector import saves as saves_mod
 
     parts = _writer_jobs(monkeypatch)
     src = _caches(6, device)
     saver = _worker(store, src)
-    monkeypatch.setattr(saves_mod, "SAVE_PART_NBYTES", 2 * saver.payload_nbytes)
+    monkeypatch.setattr(saves_mod, "SAVE_PART_NBYTES_CUDA" if device == "cuda" else "SAVE_PART_NBYTES",
+                        2 * saver.payload_nbytes)
     keys = _keys(7)
     saver.save([BlockPlan("r", list(range(7)), keys)])
     assert saver.flush(10)

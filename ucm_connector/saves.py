@@ -4,8 +4,9 @@
 pass is done (``wait_for_save``; on CUDA the gather is issued and the engine
 goes on, its later kernels ordered after the page reads) into rows of a
 pool bounded by ``max_pending_save_mib``, and hands them, a part of about
-``SAVE_PART_NBYTES`` at a time, to one background writer, which puts the
-rows themselves, so the engine never waits on the store's I/O.  Blocks the
+``SAVE_PART_NBYTES`` (on CUDA ``SAVE_PART_NBYTES_CUDA``) at a time, to one
+background writer, which puts the rows themselves, so the engine never
+waits on the store's I/O.  Blocks the
 store has are skipped; a full backlog skips saves rather than wait; KV
 computed on a page whose load failed is never saved.
 
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
 
 #: Bytes of payload handed to the writer at a time.
 SAVE_PART_NBYTES = 24 << 20
+
+#: On CUDA: each part costs the engine thread the issue of its copies
+#: (about 0.3 ms on an H100 machine), and the writer waits for them anyway.
+SAVE_PART_NBYTES_CUDA = 64 << 20
 
 #: On CUDA, with ``save_layerwise``, a step saves layer by layer only from
 #: this many bytes of payload: each layer costs a few launches of engine
@@ -231,7 +236,8 @@ class Saves(BlockIO):
             return
         # Parts of about SAVE_PART_NBYTES: the writer puts one while the
         # next is gathered (benchmarks/RESULTS.md).
-        step = min(self.pool.capacity, max(1, SAVE_PART_NBYTES // self.payload_nbytes))
+        part_nbytes = SAVE_PART_NBYTES_CUDA if self.transfer.on_cuda else SAVE_PART_NBYTES
+        step = min(self.pool.capacity, max(1, part_nbytes // self.payload_nbytes))
         for lo in range(0, len(todo), step):
             part = todo[lo:lo + step]
             # A full backlog skips saves rather than make the engine wait.
