@@ -36,14 +36,17 @@ PARTS=${*:-tests sanitize worker checksum sparse channels transfer}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
+# A test that hangs fails after PYTEST_TIMEOUT seconds (default 60; with
+# pytest-timeout, where installed) rather than holding up the rest.
+TIMEOUT=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${PYTEST_TIMEOUT:-60} --timeout-method=signal")
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$OUT/gpu.txt" 2>&1
 for part in $PARTS; do
     case $part in
-        tests)    python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/test_worker.py \
+        tests)    python3 -m pytest -v -rfE --durations=15 -p no:cacheprovider $TIMEOUT tests/test_transfer.py tests/test_worker.py \
                       tests/test_checksums.py tests/test_sparse_select.py tests/test_sparse_speculative.py \
                       tests/test_sparse_channels.py \
                       > "$OUT/pytest.txt" 2>&1 ;;
-        sanitize) TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -k "cuda and not cpu_tensors" \
+        sanitize) TORCH_CUDA_SANITIZER=1 python3 -m pytest -v -rfE -p no:cacheprovider $TIMEOUT -k "cuda and not cpu_tensors" \
                       tests/test_transfer.py tests/test_worker.py tests/test_checksums.py tests/test_sparse_select.py \
                       > "$OUT/sanitize.txt" 2>&1 ;;
         worker)   python3 benchmarks/gpu_worker_bench.py --json "$OUT/worker.json" > "$OUT/worker.txt" 2>&1

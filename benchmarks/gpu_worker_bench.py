@@ -36,6 +36,7 @@ from ucm_connector import blockfmt  # noqa: E402
 from ucm_connector.cache_views import fill_random_, vllm_layer_caches  # noqa: E402
 from ucm_connector.config import LoadMode  # noqa: E402
 from ucm_connector.counters import StatsCollector  # noqa: E402
+from ucm_connector.hashing import keys_for_rank  # noqa: E402
 from ucm_connector.plans import BlockPlan  # noqa: E402
 from ucm_connector.worker import UCMWorker  # noqa: E402
 
@@ -179,7 +180,7 @@ def _saves_in_a_forward_pass(caches, args, ns: bytes) -> list[dict]:
             extra.append(free - alone[-1])
             hooks.append(host)
         # Both ways store the same bytes for the same blocks.
-        got = store.get(keys)
+        got = store.get(keys_for_rank(keys, 0))   # the worker stores its rank's keys
         payloads = [bytes(got[i])[blockfmt.HEADER_NBYTES:] for i in (0, n // 2, n - 1)]
         if samples:
             assert payloads == samples, "a block saved layer by layer differs from the same block saved whole"
