@@ -79,6 +79,15 @@ def test_load_mode_follows_the_two_load_options():
         UCMConfig.from_extra_config({"load_kv_async": True, "load_layerwise": True})
 
 
+def test_save_layerwise_takes_auto_true_or_false():
+    assert UCMConfig.from_extra_config({}).save_layerwise == "auto"
+    for value in ("auto", True, False):
+        assert UCMConfig.from_extra_config({"save_layerwise": value}).save_layerwise == value
+    for bad in ("yes", 1, None):
+        with pytest.raises(UCMConfigError, match=f"save_layerwise: expected auto, true or false, got {bad!r}"):
+            UCMConfig.from_extra_config({"save_layerwise": bad})
+
+
 def test_a_config_file_that_is_not_utf8_is_named_with_the_fix(tmp_path):
     path = tmp_path / "ucm.yaml"
     path.write_bytes("store: disk:///tmp/caf\u00e9\n".encode("latin-1"))

@@ -225,7 +225,14 @@ def test_save_layerwise_is_off_with_microbatches(caplog):
         return SimpleNamespace(parallel_config=ParallelConfig(enable_dbo=dbo, ubatch_size=ubatch_size))
 
     assert layerwise_saves(asked, engine()) is True
-    assert layerwise_saves(UCMConfig.from_extra_config({}), engine(dbo=True)) is False
+    # The default (auto) leaves it to the worker (on CUDA, not on CPU), and
+    # with microbatches is off without a word: nobody asked for it.
+    default = UCMConfig.from_extra_config({})
+    assert default.save_layerwise == "auto"
+    assert layerwise_saves(default, engine()) is None
+    assert layerwise_saves(default, engine(dbo=True)) is False
+    assert "save_layerwise" not in caplog.text
+    assert layerwise_saves(UCMConfig.from_extra_config({"save_layerwise": False}), engine()) is False
     assert layerwise_saves(asked, engine(dbo=True)) is False
     assert "save_layerwise does not work with microbatches" in caplog.text
     assert layerwise_saves(asked, engine(ubatch_size=2)) is False

@@ -470,6 +470,20 @@ def _layerwise_worker(store, caches, monkeypatch, **kw):
     return w
 
 
+def test_save_layerwise_auto_copies_layer_by_layer_on_cuda_only(tmp_path, device):
+    """``save_layerwise: auto`` (None to the worker) decides by the caches'
+    device: layer by layer on CUDA, where it frees the next step's kernels
+    sooner, after the forward pass on CPU, where it is slower."""
+    store = open_store(f"disk://{tmp_path}/store")
+    w = worker_mod.UCMWorker(store=store, namespace_digest=NS, tp_rank=0, num_blocks=NUM_BLOCKS,
+                             max_pending_nbytes=1 << 30, stats=StatsCollector(), save_layerwise=None)
+    w.register_kv_caches(_caches(3, device))
+    assert w.save_layerwise == (device == "cuda")
+    assert w.saves.layerwise == (device == "cuda" and w.transfer.can_copy_by_layer)
+    w.close()
+    store.close()
+
+
 def _all_rows_free(w) -> bool:
     rows = w.save_pool.take(w.save_pool.capacity, wait=True, timeout=10)
     if rows is None:

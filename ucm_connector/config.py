@@ -96,6 +96,12 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+def _bool_or_auto(name: str, value: Any) -> bool | str:
+    if value != "auto" and not isinstance(value, bool):
+        raise UCMConfigError(f"{name}: expected auto, true or false, got {value!r}")
+    return value
+
+
 def _path(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -149,12 +155,13 @@ OPTIONS: tuple[Option, ...] = (
            "graphs (vLLM 0.32 and 0.33 switch to them by themselves); an engine that replays full ones "
            "loads before the step instead, with a warning.",
            _bool),
-    Option("save_layerwise", "bool", False,
+    Option("save_layerwise", "auto | true | false", "auto",
            "Gather each layer's new blocks for saving as soon as that layer's attention is done, so that "
            "the copies overlap the rest of the forward pass (on CUDA only in steps that save at least "
-           "16 MiB); without it the blocks are gathered once the forward pass is done. Off, with a warning, "
-           "in an engine that runs microbatches (--enable-dbo).",
-           _bool),
+           "16 MiB); without it the blocks are gathered once the forward pass is done. auto: on CUDA, "
+           "where it frees the next step's kernels sooner, not on CPU, where it is slower. Off in an "
+           "engine that runs microbatches (--enable-dbo), with a warning where it was asked for.",
+           _bool_or_auto),
     Option("load_policy", "always | auto", "auto",
            "Which stored hits to load: every one (always), or (auto) only as much of each as loads "
            "faster than the engine recomputes it, judged from the store's read speed and latency "
@@ -192,7 +199,7 @@ class UCMConfig:
     min_hit_blocks: int = _default("min_hit_blocks")
     load_kv_async: bool = _default("load_kv_async")
     load_layerwise: bool = _default("load_layerwise")
-    save_layerwise: bool = _default("save_layerwise")
+    save_layerwise: bool | str = _default("save_layerwise")
     load_policy: str = _default("load_policy")
     on_cache_reset: str = _default("on_cache_reset")
 

@@ -219,21 +219,24 @@ def engine_load_mode(config: UCMConfig, vllm_config) -> LoadMode:
     return mode
 
 
-def layerwise_saves(config: UCMConfig, vllm_config) -> bool:
-    """``save_layerwise`` as configured, except with microbatches (``--enable-dbo``,
-    ``ubatch_size`` above 1): each microbatch reports a layer as soon as its
-    own attention is done, so the first report would copy pages the other
-    microbatch has not written yet.  Such an engine gathers after the
-    forward pass, with a warning."""
-    if not config.save_layerwise:
+def layerwise_saves(config: UCMConfig, vllm_config) -> bool | None:
+    """``save_layerwise`` as configured (None for ``auto``: the worker
+    decides by the device of the KV cache), except with microbatches
+    (``--enable-dbo``, ``ubatch_size`` above 1): each microbatch reports a
+    layer as soon as its own attention is done, so the first report would
+    copy pages the other microbatch has not written yet.  Such an engine
+    gathers after the forward pass, with a warning where it was asked to
+    save layer by layer."""
+    if config.save_layerwise is False:
         return False
     if getattr(getattr(vllm_config, "parallel_config", None), "use_ubatching", False):
-        _log_once("dbo", logger.warning,
-                  "ucm-connector: save_layerwise does not work with microbatches (--enable-dbo or "
-                  "ubatch_size above 1): each microbatch finishes a layer on its own; gathering saved "
-                  "blocks after the forward pass instead")
+        if config.save_layerwise is True:
+            _log_once("dbo", logger.warning,
+                      "ucm-connector: save_layerwise does not work with microbatches (--enable-dbo or "
+                      "ubatch_size above 1): each microbatch finishes a layer on its own; gathering saved "
+                      "blocks after the forward pass instead")
         return False
-    return True
+    return None if config.save_layerwise == "auto" else True
 
 
 def _same_caches(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -342,7 +345,7 @@ class UCMConnector(KVConnectorBase_V1):
                 load_mode=engine_load_mode(self.config, vllm_config), events=OutcomeLog(enabled=with_events),
                 share_failures=_tp_union if namespace.tp_size > 1 else None,
                 observer=LoadObserver() if auto else None,
-                save_layerwise=layerwise_saves(self.config, vllm_config) and self._save_enabled,
+                save_layerwise=layerwise_saves(self.config, vllm_config) if self._save_enabled else False,
                 copies=(self._load_enabled, self._save_enabled))
             from .plugin import apply_sparse
 

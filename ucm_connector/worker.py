@@ -104,7 +104,7 @@ class UCMWorker:
                  max_pending_nbytes: int, stats: StatsCollector, blocks_per_request: int = 0,
                  load_mode: LoadMode | str = LoadMode.SYNC, events: OutcomeLog | None = None,
                  share_failures: Callable[[set[int]], set[int]] | None = None,
-                 observer: LoadObserver | None = None, save_layerwise: bool = False,
+                 observer: LoadObserver | None = None, save_layerwise: bool | None = False,
                  copies: tuple[bool, bool] = (True, True)) -> None:
         self.store = store
         # (loads, saves): which ways this engine copies KV at all.
@@ -116,7 +116,10 @@ class UCMWorker:
         self.stats = stats
         self.blocks_per_request = blocks_per_request
         self.load_mode = LoadMode(load_mode)
-        self.save_layerwise = save_layerwise
+        # None: layer by layer on CUDA, after the forward pass on CPU (the
+        # faster way on each, benchmarks/RESULTS.md); decided at registration.
+        self._save_layerwise_asked = save_layerwise
+        self.save_layerwise = bool(save_layerwise)
         self.events = events or OutcomeLog(enabled=False)
         self._share_failures = share_failures
         self._report = Reporter(stats)
@@ -132,6 +135,8 @@ class UCMWorker:
 
     def register_kv_caches(self, kv_caches) -> None:
         self.transfer = BlockTransfer(kv_caches, self.num_blocks)
+        if self._save_layerwise_asked is None:
+            self.save_layerwise = self.transfer.on_cuda
         self.payload_nbytes = self.transfer.payload_nbytes
         self.block_nbytes = blockfmt.block_nbytes(self.payload_nbytes)
         self._layer_index = {layer.name: i for i, layer in enumerate(self.transfer.layers)}
