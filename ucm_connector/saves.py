@@ -6,9 +6,9 @@ goes on, its later kernels ordered after the page reads) into rows of a
 pool bounded by ``max_pending_save_mib``, and hands them, a part of about
 ``SAVE_PART_NBYTES`` (on CUDA ``SAVE_PART_NBYTES_CUDA``) at a time, to one
 background writer, which puts the rows themselves, so the engine never
-waits on the store's I/O.  Blocks the
-store has are skipped; a full backlog skips saves rather than wait; KV
-computed on a page whose load failed is never saved.
+waits on the store's I/O.  Blocks the store has are skipped; a full
+backlog skips saves rather than wait; KV computed on a page whose load
+failed is never saved.
 
 On CPU, a store that writes a value from several buffers
 (``writes_from_parts``: shm, or a tier over shm) instead takes the blocks
@@ -17,11 +17,12 @@ the step re-saves blocks (their deletes stay on the writer); after it
 refuses a save, saves go through the writer for ``DIRECT_SAVE_PAUSE_S``,
 twice as long after each further refusal in a row.
 
-With ``save_layerwise`` the gather moves into the forward pass: the step's
-save blocks get their rows when the step begins, each layer's pages are
-copied out as vLLM reports the layer written (``save_kv_layer``), and
-``wait_for_save`` copies what was not reported, applies the same checks and
-hands the rows of the blocks to store to the writer.
+With ``save_layerwise`` (by default on CUDA) the gather moves into the
+forward pass: the step's save blocks get their rows when the step begins,
+each layer's pages are copied out as vLLM reports the layer written
+(``save_kv_layer``), and ``wait_for_save`` copies what was not reported,
+applies the same checks and hands the rows of the blocks to store to the
+writer.
 
 This module only writes to the store; loading is ``loads.py``'s.  It must
 not import vLLM.
