@@ -8,14 +8,18 @@
 #
 # PARTs (default: all, in this order; a call that must end within a time
 # limit can take them a few at a time):
-#   tests     the CUDA cases of the transfer, worker, checksum and sparse
-#             selection tests (pytest.txt)
-#   sanitize  the same CUDA cases under torch's CUDA sanitizer
-#             (TORCH_CUDA_SANITIZER=1), which fails a test whose kernels on
-#             two streams touch one tensor with no event or wait between
-#             them (sanitize.txt); it sees torch ops only, not the copies
-#             ucm_connector/cudart.py makes through ctypes, nor Triton's
-#             kernels
+#   tests     the transfer, worker and checksum tests, CUDA cases
+#             included (pytest.txt; about 2 minutes on an H100 machine;
+#             two worker tests need redis-server and error without it)
+#   sparse-tests  the sparse selection tests (sparse-tests.txt; about 1.5
+#             minutes)
+#   sanitize  the CUDA cases of the worker tests under torch's CUDA
+#             sanitizer (TORCH_CUDA_SANITIZER=1), which fails a test whose
+#             kernels on two streams touch one tensor with no event or wait
+#             between them (sanitize.txt); it sees torch ops only, not the
+#             copies ucm_connector/cudart.py makes through ctypes, nor
+#             Triton's kernels; slow (11 transfer tests took 170 s), so
+#             SANITIZE_TESTS names the files (default tests/test_worker.py)
 #   worker    gpu_worker_bench.py: the worker's loads and saves against raw
 #             copies, and saves inside a stand-in forward pass (worker.*);
 #             again with 512 blocks (1 GiB, an 8k-token prefill's save),
@@ -30,9 +34,9 @@
 #             layout against raw pinned copies (transfer.*)
 # Each part's output goes to OUT; its exit status is printed.
 set -u
-OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests sanitize worker checksum sparse channels transfer]}
+OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests sparse-tests sanitize worker checksum sparse channels transfer]}
 shift
-PARTS=${*:-tests sanitize worker checksum sparse channels transfer}
+PARTS=${*:-tests sparse-tests sanitize worker checksum sparse channels transfer}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
@@ -43,12 +47,11 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 for part in $PARTS; do
     case $part in
         tests)    python3 -m pytest -v -rfE --durations=15 -p no:cacheprovider $TIMEOUT tests/test_transfer.py tests/test_worker.py \
-                      tests/test_checksums.py tests/test_sparse_select.py tests/test_sparse_speculative.py \
-                      tests/test_sparse_channels.py \
-                      > "$OUT/pytest.txt" 2>&1 ;;
+                      tests/test_checksums.py > "$OUT/pytest.txt" 2>&1 ;;
+        sparse-tests) python3 -m pytest -v -rfE --durations=15 -p no:cacheprovider $TIMEOUT tests/test_sparse_select.py \
+                      tests/test_sparse_speculative.py tests/test_sparse_channels.py > "$OUT/sparse-tests.txt" 2>&1 ;;
         sanitize) TORCH_CUDA_SANITIZER=1 python3 -m pytest -v -rfE -p no:cacheprovider $TIMEOUT -k "cuda and not cpu_tensors" \
-                      tests/test_transfer.py tests/test_worker.py tests/test_checksums.py tests/test_sparse_select.py \
-                      > "$OUT/sanitize.txt" 2>&1 ;;
+                      ${SANITIZE_TESTS:-tests/test_worker.py} > "$OUT/sanitize.txt" 2>&1 ;;
         worker)   python3 benchmarks/gpu_worker_bench.py --json "$OUT/worker.json" > "$OUT/worker.txt" 2>&1
                   first=$?
                   python3 benchmarks/gpu_worker_bench.py --blocks 512 --json "$OUT/worker512.json" \
@@ -63,7 +66,7 @@ for part in $PARTS; do
                       --json "$OUT/channels.json" > "$OUT/channels.txt" 2>&1 ;;
         transfer) python3 benchmarks/gpu_bench.py --big-cache-gib 0 --no-sparse --json "$OUT/transfer.json" \
                       > "$OUT/transfer.txt" 2>&1 ;;
-        *)        echo "unknown part '$part' (known: tests sanitize worker checksum sparse channels transfer)" >&2; exit 2 ;;
+        *)        echo "unknown part '$part' (known: tests sparse-tests sanitize worker checksum sparse channels transfer)" >&2; exit 2 ;;
     esac
     echo "$part: exit status $?"
 done
