@@ -37,6 +37,15 @@ except ImportError:            # CPU-only installs: the torch path runs instead
     triton = None
     tl = None
 
+#: Block positions per program of the scoring kernel, and its warps.  On an
+#: H100 at 32k-token rows (batch 8, Llama-3-8B attention shapes) 8 positions
+#: and one warp read the summaries in 30.6 us against 86.3 us with 32 and 4
+#: warps, 10.6 against 24.9 us at 8k, choosing the same blocks
+#: (benchmarks/RESULTS.md): small programs keep a tile's summaries and the
+#: query group's products in registers.
+LOGITS_TILE = 8
+LOGITS_WARPS = 1
+
 
 def available() -> bool:
     return triton is not None
@@ -449,7 +458,7 @@ def fold_decode(layer, key: torch.Tensor, slot_mapping: torch.Tensor, epochs: to
 def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_blocks: int, local_blocks: int,
                      bound: bool, query_in_order: bool, out_table: torch.Tensor, out_seq_lens: torch.Tensor,
                      totals: torch.Tensor, logits: torch.Tensor, fold: tuple | None = None,
-                     choice: tuple | None = None, tile: int = 32, query_tokens: int = 1) -> None:
+                     choice: tuple | None = None, tile: int = LOGITS_TILE, query_tokens: int = 1) -> None:
     """Score every block of every row and write the selection into
     ``out_table`` (chosen blocks of thinned rows, first columns) and
     ``out_seq_lens`` (every row); two launches.  ``keep`` is the budget by
@@ -490,7 +499,7 @@ def score_and_select(layer, batch, *, width: int, keep: torch.Tensor, sink_block
         summaries, minmax, logits, width, float(batch.scale), *fold_args,
         BS=batch.block_size, BSP=pow2(batch.block_size), H=h, G=group, GP=pow2(group), D=d, DP=pow2(d),
         P=parts, PS=part_size, KD=_probe_dims(view, d), TJ=tile, BOUND=bound, Q_IN_ORDER=query_in_order,
-        FOLD=fold is not None, PROBE=view is not None, num_warps=4)
+        FOLD=fold is not None, PROBE=view is not None, num_warps=LOGITS_WARPS)
     width_pow2 = max(16, pow2(width))
     assert keep.numel() >= width_pow2 + 1
     if choice is not None:
