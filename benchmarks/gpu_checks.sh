@@ -30,13 +30,15 @@
 #   sparse    gpu_sparse_bench.py at 8k and 32k: selection, a reused choice,
 #             attention over the kept blocks against dense (sparse.*)
 #   channels  the same with block_topk's channels: 32 (channels.*)
+#   kernel-sweep  gpu_kernel_sweep.py at 8k and 32k: the scoring kernel at
+#             other positions per program and warps (kernel-sweep.txt)
 #   transfer  gpu_bench.py without the large cache: gather and scatter by
 #             layout against raw pinned copies (transfer.*)
 # Each part's output goes to OUT; its exit status is printed.
 set -u
-OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests sparse-tests sanitize worker checksum sparse channels transfer]}
+OUT=${1:?usage: sh benchmarks/gpu_checks.sh OUT [tests sparse-tests sanitize worker checksum sparse channels kernel-sweep transfer]}
 shift
-PARTS=${*:-tests sparse-tests sanitize worker checksum sparse channels transfer}
+PARTS=${*:-tests sparse-tests sanitize worker checksum sparse channels kernel-sweep transfer}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
@@ -64,9 +66,12 @@ for part in $PARTS; do
                       > "$OUT/sparse.txt" 2>&1 ;;
         channels) python3 benchmarks/gpu_sparse_bench.py --contexts 8192 32768 --steps 10 --channels 32 \
                       --json "$OUT/channels.json" > "$OUT/channels.txt" 2>&1 ;;
+        kernel-sweep) { python3 benchmarks/gpu_kernel_sweep.py --context 8192 --configs 8,1 32,4 16,1 16,2 &&
+                      python3 benchmarks/gpu_kernel_sweep.py --context 32768 --configs 8,1 32,4 16,1 16,2; } \
+                      > "$OUT/kernel-sweep.txt" 2>&1 ;;
         transfer) python3 benchmarks/gpu_bench.py --big-cache-gib 0 --no-sparse --json "$OUT/transfer.json" \
                       > "$OUT/transfer.txt" 2>&1 ;;
-        *)        echo "unknown part '$part' (known: tests sparse-tests sanitize worker checksum sparse channels transfer)" >&2; exit 2 ;;
+        *)        echo "unknown part '$part' (known: tests sparse-tests sanitize worker checksum sparse channels kernel-sweep transfer)" >&2; exit 2 ;;
     esac
     echo "$part: exit status $?"
 done
