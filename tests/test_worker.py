@@ -484,6 +484,31 @@ def test_save_layerwise_auto_copies_layer_by_layer_on_cuda_only(tmp_path, device
     store.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("asked", ["auto", "save", "load"])
+def test_without_pitched_copies_only_a_layerwise_way_asked_for_warns(tmp_path, monkeypatch, caplog, asked):
+    """Where the CUDA runtime's pitched copies do not work, the layerwise
+    ways copy whole blocks; a warning says so where one was asked for, an
+    info line where only save_layerwise's auto default would have used them."""
+    import logging
+
+    from ucm_connector import cudart
+
+    monkeypatch.setattr(cudart, "pitched_copies_work", lambda device: False)
+    store = open_store(f"disk://{tmp_path}/store")
+    w = worker_mod.UCMWorker(store=store, namespace_digest=NS, tp_rank=0, num_blocks=NUM_BLOCKS,
+                             max_pending_nbytes=1 << 30, stats=StatsCollector(),
+                             save_layerwise={"auto": None, "save": True, "load": False}[asked],
+                             load_mode="layer" if asked == "load" else "sync")
+    with caplog.at_level(logging.INFO, logger="vllm.ucm_connector.worker"):
+        w.register_kv_caches(_caches(3, "cuda"))
+    said = [r for r in caplog.records if "pitched copies are unavailable" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO if asked == "auto" else logging.WARNING]
+    assert not w.saves.layerwise
+    w.close()
+    store.close()
+
+
 def _all_rows_free(w) -> bool:
     rows = w.save_pool.take(w.save_pool.capacity, wait=True, timeout=10)
     if rows is None:

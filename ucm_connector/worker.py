@@ -158,11 +158,15 @@ class UCMWorker:
             self.prober = Prober(reader["store"], self.block_nbytes, self.tp_rank)
         self._reserve_staging()
         if self.transfer.on_cuda and (self.save_layerwise or self.load_mode is LoadMode.LAYER):
-            # Tried here, once, at start-up rather than in a step.
+            # Tried here, once, at start-up rather than in a step.  A warning
+            # where a layerwise way was asked for; save_layerwise's auto
+            # default only says so.
             if not self.transfer.can_copy_by_layer:
-                logger.warning("ucm-connector: the CUDA runtime's pitched copies are unavailable here; "
-                               "load_layerwise uploads all layers at once and save_layerwise copies after "
-                               "the forward pass")
+                asked = self._save_layerwise_asked is True or self.load_mode is LoadMode.LAYER
+                (logger.warning if asked else logger.info)(
+                    "ucm-connector: the CUDA runtime's pitched copies are unavailable here; "
+                    "load_layerwise uploads all layers at once and save_layerwise copies after "
+                    "the forward pass")
         self.loads = LOADS[self.load_mode](BlockReader(**reader, pool=self.load_pool))
         self.saves = Saves(**parts, pool=self.save_pool, share_failures=self._share_failures,
                            layerwise=self.save_layerwise)
