@@ -42,9 +42,13 @@ PARTS=${*:-tests sparse-tests sanitize worker checksum sparse channels kernel-sw
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
-# A test that hangs fails after PYTEST_TIMEOUT seconds (default 60; with
-# pytest-timeout, where installed) rather than holding up the rest.
-TIMEOUT=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${PYTEST_TIMEOUT:-60} --timeout-method=signal")
+# A test still running after PYTEST_TIMEOUT seconds (default 60) has every
+# thread's stack written out (faulthandler: also where it waits inside C or
+# CUDA), and then fails (pytest-timeout, where installed; a signal, which
+# reaches a thread stuck in C only once it returns) rather than holding up
+# the rest.
+TIMEOUT="-o faulthandler_timeout=${PYTEST_TIMEOUT:-60}"
+TIMEOUT="$TIMEOUT $(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${PYTEST_TIMEOUT:-60} --timeout-method=signal")"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$OUT/gpu.txt" 2>&1
 for part in $PARTS; do
     case $part in
