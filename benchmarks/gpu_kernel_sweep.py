@@ -5,6 +5,7 @@ blocks chosen stay those of the first setting.  CUDA, torch and Triton
 only (no vLLM); the workload is ``gpu_sparse_bench.py``'s.
 
     python benchmarks/gpu_kernel_sweep.py [--context 32768] [--configs 32,4 8,1 ...]
+        [--score bound] [--channels 32]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_sparse_bench as bench  # noqa: E402
 
 from ucm_connector.sparse import triton_select  # noqa: E402
+from ucm_connector.sparse.block_topk import BlockTopK, BlockTopKOptions  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--configs", nargs="+", default=["32,4", "32,2", "16,1", "8,1"],
                    help="positions per program,warps (the first is the baseline)")
+    p.add_argument("--score", choices=["mean", "bound"], default="mean", help="block_topk's score option")
+    p.add_argument("--channels", type=int, help="block_topk's channels option")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_kernel_sweep needs CUDA", file=sys.stderr)
         return 2
-    shapes = bench.Shapes(rows=8, keep_ratio=0.25)
+    shapes = bench.Shapes(rows=8, keep_ratio=0.25, channels=args.channels)
+    options = {"keep_ratio": shapes.keep_ratio, "dense_below": 0, "score": args.score}
+    if args.channels is not None:
+        options["channels"] = args.channels
     work = bench.Workload(shapes, args.context, 4, "cuda")
     score_and_select, launch_logits = triton_select.score_and_select, triton_select._logits_launch
     base = None
-    print(f"{torch.cuda.get_device_name()}; {shapes}; context {args.context}")
+    print(f"{torch.cuda.get_device_name()}; {shapes}; score {args.score}; context {args.context}")
     try:
         for config in args.configs:
             tile, warps = (int(x) for x in config.split(","))
@@ -51,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             triton_select._logits_launch = launch
             triton_select.score_and_select = functools.partial(score_and_select, tile=tile)
             t0 = time.perf_counter()
-            step = bench.Stepper(work, bench._method("triton", shapes))
+            step = bench.Stepper(work, BlockTopK(BlockTopKOptions.parse(options), kernels="triton"))
             for _ in range(2):          # compiles this setting's variants
                 step()
             torch.cuda.synchronize()
