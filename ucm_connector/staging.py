@@ -8,8 +8,11 @@ pass of the PCIe link plus one chunk's gather.
 
 This module owns the slots, the two side streams of a direction (index
 kernels, host copies), the events that order a slot's reuse, and the views
-of a slot shaped like each segment's pages.  It issues no copies of its own
-(``BlockTransfer`` does) and never makes the host wait.
+of a slot shaped like each segment's pages, and the pinned ring that block
+ids go to the device from (``ids_on_device``).  Beside those ids it issues
+no copies of its own (``BlockTransfer`` does), and it makes the host wait
+only where that ring comes round to a slice whose copy is not done yet
+(many steps' worth of ids later).
 """
 
 from __future__ import annotations
